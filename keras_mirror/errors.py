@@ -1,0 +1,30 @@
+"""Exceptions raised by keras-mirror.
+
+Each class also subclasses the matching builtin, so that users can catch
+either the keras-mirror class or the builtin (`except ValueError`), as in
+KerasTuner's `FatalValueError(FatalError, ValueError)`.
+"""
+
+
+class KerasMirrorError(Exception):
+    """Base class of every keras-mirror error."""
+
+
+class DeviceError(KerasMirrorError, ValueError):
+    """A device list that names no device, an unknown one or a duplicate."""
+
+
+class DevicesAlreadyInitializedError(KerasMirrorError, RuntimeError):
+    """TensorFlow's devices were initialised before `logical_cpus` ran."""
+
+
+class ModelRebuildError(KerasMirrorError, ValueError):
+    """The wrapped model's variables could not be rebuilt under the strategy."""
+
+
+class NonFiniteError(KerasMirrorError, FloatingPointError):
+    """A replica produced a NaN or Inf loss or gradient."""
+
+
+class ClusterConfigError(KerasMirrorError, ValueError):
+    """`TF_CONFIG` or the `cluster` argument is malformed."""
