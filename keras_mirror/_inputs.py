@@ -1,0 +1,121 @@
+"""Input handling: per-replica grouping, counting steps, a first batch.
+
+In `batch="per_replica"` mode each element the input yields is one replica's
+batch; these helpers concatenate `N` consecutive elements into one global
+batch that the fill rule (`split.fill_sizes`) splits back exactly.
+"""
+
+import math
+
+import keras
+import numpy as np
+import tensorflow as tf
+
+from keras_mirror import split
+
+
+def is_array(x):
+    return all(isinstance(t, (np.ndarray, tf.Tensor))
+               for t in tf.nest.flatten(x) if t is not None) and x is not None
+
+
+def num_rows(x):
+    return int(tf.nest.flatten(x)[0].shape[0])
+
+
+def first_x(x):
+    """A small batch of inputs `x` for building an unbuilt model."""
+    if isinstance(x, tf.data.Dataset):
+        element = next(iter(x.take(1)))
+        return keras.utils.unpack_x_y_sample_weight(element)[0]
+    if isinstance(x, keras.utils.PyDataset):
+        return keras.utils.unpack_x_y_sample_weight(x[0])[0]
+    if is_array(x):
+        return tf.nest.map_structure(
+            lambda t: None if t is None else t[:1], x)
+    return None
+
+
+def count_steps(x, batch_size, steps_per_epoch, validation_split=0.0):
+    """The number of steps an epoch takes, or None when unknown."""
+    if steps_per_epoch is not None:
+        return steps_per_epoch
+    if isinstance(x, tf.data.Dataset):
+        n = int(x.cardinality())
+        return n if n >= 0 else None
+    if isinstance(x, keras.utils.PyDataset):
+        return x.num_batches
+    if x is not None and is_array(x):
+        rows = num_rows(x)
+        if validation_split:
+            rows = int(math.floor(rows * (1.0 - validation_split)))
+        return math.ceil(rows / (batch_size or 32))
+    return None
+
+
+def _group_check(lengths, num_replicas):
+    capacity = lengths[0]
+    expected = split.sizes_tensor(tf.reduce_sum(lengths), num_replicas,
+                                  capacity)
+    n = tf.shape(lengths)[0]
+    tf.debugging.assert_equal(
+        n, num_replicas,
+        message=(
+            f"`batch='per_replica'` needs the number of batches to be a "
+            f"multiple of the replica count ({num_replicas}): the last "
+            "group of batches is short. Received: a final group of fewer "
+            f"than {num_replicas} batches"),
+    )
+    tf.debugging.assert_equal(
+        lengths, expected,
+        message=(
+            "`batch='per_replica'`: every batch but the last must have the "
+            "same number of rows. Received: batches of uneven sizes"),
+    )
+
+
+def group_dataset(dataset, num_replicas):
+    """Concatenates `num_replicas` consecutive elements of `dataset`."""
+    ragged = dataset.ragged_batch(num_replicas)
+
+    def concat(*element):
+        element = element if len(element) > 1 else element[0]
+        leaves = [t for t in tf.nest.flatten(element) if t is not None]
+        lengths = tf.cast(leaves[0].row_lengths(), tf.int32)
+        _group_check(lengths, num_replicas)
+        return tf.nest.map_structure(
+            lambda t: t.values if isinstance(t, tf.RaggedTensor) else t,
+            element)
+
+    return ragged.map(concat)
+
+
+class GroupedPyDataset(keras.utils.PyDataset):
+    """A `PyDataset` whose item `i` joins items `N*i ... N*i+N-1`."""
+
+    def __init__(self, dataset, num_replicas):
+        super().__init__()
+        self._dataset = dataset
+        self._n = num_replicas
+        if len(dataset) % num_replicas:
+            raise ValueError(
+                "`batch='per_replica'` needs the number of batches to be a "
+                f"multiple of the replica count ({num_replicas}). "
+                f"Received: a PyDataset with {len(dataset)} batches")
+
+    def __len__(self):
+        return len(self._dataset) // self._n
+
+    def __getitem__(self, index):
+        items = [self._dataset[index * self._n + i] for i in range(self._n)]
+        return tf.nest.map_structure(
+            lambda *parts: np.concatenate(parts, axis=0), *items)
+
+
+def capacity_of(dataset):
+    """Rows in the first element of a per-replica dataset."""
+    if isinstance(dataset, keras.utils.PyDataset):
+        return num_rows(keras.utils.unpack_x_y_sample_weight(dataset[0])[0])
+    element = next(iter(dataset.take(1)))
+    x = keras.utils.unpack_x_y_sample_weight(element)[0]
+    return int(tf.shape(tf.nest.flatten(x)[0])[0])

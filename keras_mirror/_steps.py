@@ -1,0 +1,244 @@
+"""The exact replica steps: train, test and predict on split global batches.
+
+Semantics (see README, "Exactness"): replica `r` receives `b_r` of the `B`
+rows of the global batch. It computes the loss of its shard exactly as one
+device would on those rows, `S_r` (compiled loss plus `model.losses`), and
+contributes `(S_r - W) * b_r / B + W * [r == 0]`, where `W` is the weight
+regularisation, which depends on no data and so counts once. For Keras's
+default `sum_over_batch_size` reduction the contributions sum to the loss
+one device computes on the whole global batch, so the all-reduced gradient
+sum is the single-device gradient.
+"""
+
+
+import keras
+import tensorflow as tf
+
+from keras_mirror import _compat
+from keras_mirror import allreduce
+from keras_mirror import split
+
+REPLICA_KEYS = (
+    "replica_loss",
+    "replica_samples",
+    "replica_sample_weight",
+    "replica_grad_norm",
+    "replica_nonfinite",
+    "replica_step_time",
+)
+
+
+def _first_leaf(structure):
+    return next(t for t in tf.nest.flatten(structure) if t is not None)
+
+
+def _batch_size(x):
+    return tf.shape(_first_leaf(x))[0]
+
+
+def _weight_regularization(model):
+    """Sum of the variables' regularisers, as Keras adds them to `losses`."""
+    terms = [
+        v.regularizer(v)
+        for v in model.trainable_weights
+        if v.regularizer is not None
+    ]
+    if not terms:
+        return tf.zeros((), tf.float32)
+    return tf.add_n([tf.cast(t, tf.float32) for t in terms])
+
+
+def _count_nonfinite(tensors):
+    counts = [
+        tf.reduce_sum(tf.cast(~tf.math.is_finite(tf.convert_to_tensor(t)),
+                              tf.int32))
+        for t in tensors
+        if t is not None and tf.as_dtype(t.dtype).is_floating
+    ]
+    return tf.add_n(counts) if counts else tf.zeros((), tf.int32)
+
+
+def _sample_weight_sum(sw, rows):
+    if sw is None:
+        return tf.cast(rows, tf.float32)
+    return tf.add_n([tf.reduce_sum(tf.cast(w, tf.float32))
+                     for w in tf.nest.flatten(sw)])
+
+
+def as_vectors(stats):
+    """Per-replica scalars as float32 vectors of length 1, for gathering."""
+    return {k: tf.reshape(tf.cast(v, tf.float32), [1])
+            for k, v in stats.items()}
+
+
+class ReplicaSteps:
+    """Mixin of `MirroredModel` holding its `train/test/predict_step`."""
+
+    # -- splitting ---------------------------------------------------------
+
+    def _plan_sizes(self, batch_size):
+        return split.sizes_tensor(batch_size, self.num_replicas,
+                                  self._capacity)
+
+    def _distribute(self, data, sizes):
+        """Slices each leaf of `data` into the replicas' shards."""
+        offsets = split.offsets_tensor(sizes)
+
+        def shard(ctx):
+            r = ctx.replica_id_in_sync_group
+            return tf.nest.map_structure(
+                lambda t: t[offsets[r]:offsets[r] + sizes[r]], data)
+
+        return self._strategy.experimental_distribute_values_from_function(
+            shard)
+
+    def _gather(self, per_replica):
+        """Concatenates per-replica tensors (a structure) in replica order."""
+        if self._multi_worker:
+            return tf.nest.map_structure(
+                lambda v: self._strategy.gather(v, axis=0), per_replica)
+        local = self._strategy.experimental_local_results(per_replica)
+        return tf.nest.map_structure(
+            lambda *parts: tf.concat(parts, axis=0), *local)
+
+
+    def _first(self, per_replica):
+        return self._strategy.experimental_local_results(per_replica)[0]
+
+    @staticmethod
+    def _pack(x, y, sw):
+        """Drops the None parts; returns (present parts, which were there)."""
+        parts = (x, y, sw)
+        present = tuple(p is not None for p in parts)
+        return tuple(p for p in parts if p is not None), present
+
+    @staticmethod
+    def _unpack(packed, present):
+        it = iter(packed)
+        return tuple(next(it) if p else None for p in present)
+
+    # -- losses ------------------------------------------------------------
+
+    def _replica_loss(self, x, y, y_pred, sw, training, global_rows):
+        """Returns (contribution to the global loss, shard loss)."""
+        ctx = tf.distribute.get_replica_context()
+        n = tf.cast(ctx.num_replicas_in_sync, tf.float32)
+        rows = tf.cast(_batch_size(x), tf.float32)
+        # Keras divides losses by the replica count inside a strategy;
+        # multiplying back gives the shard's own single-device loss.
+        shard = tf.cast(
+            self.compute_loss(x=x, y=y, y_pred=y_pred, sample_weight=sw,
+                              training=training), tf.float32) * n
+        reg = _weight_regularization(self._inner)
+        share = tf.math.divide_no_nan(rows, tf.cast(global_rows, tf.float32))
+        first = tf.cast(tf.equal(ctx.replica_id_in_sync_group, 0),
+                        tf.float32)
+        return (shard - reg) * share + reg * first, shard
+
+    # -- train -------------------------------------------------------------
+
+    def _replica_train(self, packed, present, global_rows):
+        x, y, sw = self._unpack(packed, present)
+        rows = _batch_size(x)
+        with tf.control_dependencies([rows]):
+            start = tf.timestamp()
+        variables = self._inner.trainable_weights
+        with tf.GradientTape() as tape:
+            y_pred = self._inner(x, training=True)
+            contribution, shard = self._replica_loss(
+                x, y, y_pred, sw, True, global_rows)
+            scaled = self.optimizer.scale_loss(contribution)
+        grads = tape.gradient(scaled, variables)
+        nonfinite = _count_nonfinite(grads + [shard])
+        norm = tf.linalg.global_norm(
+            [tf.convert_to_tensor(g) for g in grads if g is not None])
+        with tf.control_dependencies([norm, nonfinite]):
+            step_time = tf.timestamp() - start
+        reduced = allreduce.all_reduce_sum(
+            grads, self._comm_options, self._gradient_dtype)
+        ctx = tf.distribute.get_replica_context()
+        total_nonfinite = ctx.all_reduce(tf.distribute.ReduceOp.SUM,
+                                         nonfinite)
+        self._apply(reduced, variables, total_nonfinite)
+        loss = ctx.all_reduce(tf.distribute.ReduceOp.SUM, contribution)
+        stats = {
+            "replica_loss": shard,
+            "replica_samples": rows,
+            "replica_sample_weight": _sample_weight_sum(sw, rows),
+            "replica_grad_norm": norm,
+            "replica_nonfinite": nonfinite,
+            "replica_step_time": step_time,
+        }
+        return y_pred, loss, as_vectors(stats)
+
+    def _apply(self, grads, variables, total_nonfinite):
+        """Applies the all-reduced gradients once, or skips a bad step."""
+        if self.on_nonfinite == "warn":
+            self.optimizer.apply(grads, variables)
+            return
+
+        def cross_replica(strategy, grads, total):
+            finite = tf.equal(
+                strategy.experimental_local_results(total)[0], 0)
+
+            def apply_on_each():
+                strategy.extended.call_for_each_replica(
+                    lambda g: self.optimizer.apply(g, variables),
+                    args=(grads,))
+
+            # A cond whose branch calls `merge_call` must run in the
+            # cross-replica context (as Keras's LossScaleOptimizer does).
+            tf.cond(finite, apply_on_each, tf.no_op)
+
+        tf.distribute.get_replica_context().merge_call(
+            cross_replica, args=(grads, total_nonfinite))
+
+    def train_step(self, data):
+        x, y, sw = keras.utils.unpack_x_y_sample_weight(data)
+        rows = _batch_size(x)
+        packed, present = self._pack(x, y, sw)
+        shards = self._distribute(packed, self._plan_sizes(rows))
+        y_pred, loss, stats = self._strategy.run(
+            self._replica_train, args=(shards, present, rows))
+        y_pred = self._gather(y_pred)
+        loss = self._first(loss)
+        tracker = _compat.loss_tracker(self)
+        if tracker is not None:
+            tracker.update_state(loss, sample_weight=rows)
+        logs = self.compute_metrics(x, y, y_pred, sample_weight=sw)
+        logs = dict(logs)
+        logs.update(self._gather(stats))
+        return logs
+
+    # -- test and predict --------------------------------------------------
+
+    def _replica_test(self, packed, present, global_rows):
+        x, y, sw = self._unpack(packed, present)
+        y_pred = self._inner(x, training=False)
+        contribution, shard = self._replica_loss(
+            x, y, y_pred, sw, False, global_rows)
+        ctx = tf.distribute.get_replica_context()
+        loss = ctx.all_reduce(tf.distribute.ReduceOp.SUM, contribution)
+        return y_pred, loss
+
+    def test_step(self, data):
+        x, y, sw = keras.utils.unpack_x_y_sample_weight(data)
+        rows = _batch_size(x)
+        packed, present = self._pack(x, y, sw)
+        shards = self._distribute(packed, self._plan_sizes(rows))
+        y_pred, loss = self._strategy.run(
+            self._replica_test, args=(shards, present, rows))
+        y_pred = self._gather(y_pred)
+        tracker = _compat.loss_tracker(self)
+        if tracker is not None:
+            tracker.update_state(self._first(loss), sample_weight=rows)
+        return self.compute_metrics(x, y, y_pred, sample_weight=sw)
+
+    def _replica_predict(self, x):
+        return self._inner(x, training=False)
+
+    def predict_step(self, data):
+        x, _, _ = keras.utils.unpack_x_y_sample_weight(data)
+        shards = self._distribute(x, self._plan_sizes(_batch_size(x)))
+        return self._gather(self._strategy.run(self._replica_predict,
+                                               args=(shards,)))

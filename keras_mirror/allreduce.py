@@ -1,0 +1,93 @@
+"""Gradient all-reduce through `tf.distribute.ReplicaContext.all_reduce`."""
+
+import tensorflow as tf
+
+_DTYPES = {None: None, "float32": None, "bfloat16": tf.bfloat16,
+           "float16": tf.float16}
+
+
+def communication_options(implementation="auto", bytes_per_pack=0,
+                          timeout_seconds=None):
+    """Builds `tf.distribute.experimental.CommunicationOptions`.
+
+    Args:
+        implementation: str. `"auto"`, `"ring"` or `"nccl"`.
+        bytes_per_pack: int. Packs gradients into buckets of about this many
+            bytes before all-reducing (0 lets TensorFlow decide).
+        timeout_seconds: float or None. A collective that does not finish in
+            this time fails instead of waiting forever for a dead peer.
+    """
+    impls = {
+        "auto": tf.distribute.experimental.CommunicationImplementation.AUTO,
+        "ring": tf.distribute.experimental.CommunicationImplementation.RING,
+        "nccl": tf.distribute.experimental.CommunicationImplementation.NCCL,
+    }
+    if implementation not in impls:
+        raise ValueError(
+            "`implementation` must be one of "
+            f"{sorted(impls)}. Received: implementation={implementation!r}"
+        )
+    if not isinstance(bytes_per_pack, int) or bytes_per_pack < 0:
+        raise ValueError(
+            "`bytes_per_pack` must be a non-negative integer. "
+            f"Received: bytes_per_pack={bytes_per_pack!r}"
+        )
+    if timeout_seconds is not None and not timeout_seconds > 0:
+        raise ValueError(
+            "`timeout_seconds` must be positive or None. "
+            f"Received: timeout_seconds={timeout_seconds!r}"
+        )
+    return tf.distribute.experimental.CommunicationOptions(
+        bytes_per_pack=bytes_per_pack,
+        timeout_seconds=timeout_seconds,
+        implementation=impls[implementation],
+    )
+
+
+def check_gradient_dtype(gradient_dtype):
+    """Validates the `gradient_dtype` argument of `MirroredModel`."""
+    if gradient_dtype not in _DTYPES:
+        raise ValueError(
+            "`gradient_dtype` must be one of None, 'float32', 'bfloat16' or "
+            f"'float16'. Received: gradient_dtype={gradient_dtype!r}"
+        )
+    return gradient_dtype
+
+
+def all_reduce_sum(grads, options=None, gradient_dtype=None):
+    """Sums `grads` (a list, entries may be None) over all replicas.
+
+    Must run in a replica context. With `gradient_dtype`, floating gradients
+    travel in that dtype and are cast back after the sum.
+    """
+    ctx = tf.distribute.get_replica_context()
+    wire = _DTYPES[gradient_dtype]
+    present = [i for i, g in enumerate(grads) if g is not None]
+    values = []
+    for i in present:
+        g = grads[i]
+        if isinstance(g, tf.IndexedSlices):
+            g = tf.convert_to_tensor(g)
+        if wire is not None and g.dtype.is_floating:
+            g = tf.cast(g, wire)
+        values.append(g)
+    if not values:
+        return list(grads)
+    reduced = ctx.all_reduce(tf.distribute.ReduceOp.SUM, values,
+                             options=options)
+    out = list(grads)
+    for i, r in zip(present, reduced):
+        out[i] = tf.cast(r, grads[i].dtype) if r.dtype != grads[i].dtype else r
+    return out
+
+
+def bytes_per_step(variables, gradient_dtype=None):
+    """Bytes that one replica sends into the gradient all-reduce per step."""
+    wire = _DTYPES[gradient_dtype]
+    total = 0
+    for v in variables:
+        dtype = tf.as_dtype(v.dtype)
+        if wire is not None and dtype.is_floating:
+            dtype = wire
+        total += int(tf.TensorShape(v.shape).num_elements()) * dtype.size
+    return total

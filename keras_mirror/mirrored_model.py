@@ -1,0 +1,397 @@
+"""`MirroredModel`: exact synchronous data-parallel training of a model."""
+
+import keras
+import tensorflow as tf
+
+from keras_mirror import _compat
+from keras_mirror import _inputs
+from keras_mirror import _rebuild
+from keras_mirror import _replica_logs
+from keras_mirror import _steps
+from keras_mirror import allreduce
+from keras_mirror import devices as devices_lib
+from keras_mirror import split
+
+BATCH_MODES = ("global", "per_replica")
+NONFINITE_MODES = ("warn", "skip_step", "raise")
+_EXACT_REDUCTIONS = ("sum_over_batch_size", "mean")
+
+
+class MirroredModel(_steps.ReplicaSteps, keras.Model):
+    """Trains an existing Keras model data-parallel, exactly.
+
+    Wraps any Keras 3 model (Sequential, Functional or subclassed; built or
+    not; compiled or not) in a `tf.distribute.MirroredStrategy` over
+    `devices`. The wrapper rebuilds the model's variables under the
+    strategy's scope and copies its weights, so the user never enters
+    `strategy.scope()`. Each step splits the global batch across the
+    replicas by a documented plan (`split_plan`), weights each replica's loss
+    by its share of the global batch, sums the gradients with one explicit
+    all-reduce and applies them once: one step on `N` replicas equals one
+    step on one device with the same global batch, to float tolerance, for
+    uneven and empty shards too.
+
+    Args:
+        model: `keras.Model`, or a zero-argument function returning one (for
+            subclassed models that cannot be cloned).
+        devices: list of str, or None. Device names (`"/gpu:0"`,
+            `"/cpu:1"`, ...). None means every GPU, else every logical CPU.
+        batch: str. `"global"` (default): each input batch is the global
+            batch, split across replicas. `"per_replica"`: each input batch
+            is one replica's batch; a step takes `N` consecutive ones (the
+            TF 1.x Estimator semantics).
+        on_nonfinite: str. What a NaN or Inf loss or gradient on any replica
+            does: `"warn"` (default; warns with replica and step), `"skip_step"`
+            (skips the update on all replicas and warns) or `"raise"` (skips
+            it and raises `NonFiniteError`).
+        gradient_dtype: str or None. `"bfloat16"` or `"float16"` sends
+            gradients through the all-reduce in that dtype; default None
+            (full precision).
+        bytes_per_pack: int. Gradient bucket size for the all-reduce, 0 lets
+            TensorFlow decide; default 0.
+        communication: str. Collective implementation, `"auto"`, `"ring"`
+            or `"nccl"`; default `"auto"`.
+        timeout_seconds: float or None. Fail a collective that takes longer
+            (a dead peer) instead of waiting forever; default None.
+        name: str or None. The wrapper's name.
+
+    Example:
+
+    ```python
+    import keras
+    import keras_mirror
+
+    keras_mirror.logical_cpus(4)
+    model = keras.Sequential([keras.Input((8,)), keras.layers.Dense(1)])
+    mirrored = keras_mirror.MirroredModel(model)
+    mirrored.compile(optimizer="sgd", loss="mse")
+    print(mirrored.split_plan(10))  # (3, 3, 2, 2)
+    ```
+    """
+
+    def __init__(self, model, devices=None, batch="global",
+                 on_nonfinite="warn", gradient_dtype=None, bytes_per_pack=0,
+                 communication="auto", timeout_seconds=None, name=None):
+        _compat.check_keras_version()
+        _rebuild.check_model(model)
+        if batch not in BATCH_MODES:
+            raise ValueError(
+                f"`batch` must be one of {BATCH_MODES}. Received: "
+                f"batch={batch!r}")
+        if on_nonfinite not in NONFINITE_MODES:
+            raise ValueError(
+                f"`on_nonfinite` must be one of {NONFINITE_MODES}. "
+                f"Received: on_nonfinite={on_nonfinite!r}")
+        comm = allreduce.communication_options(
+            communication, bytes_per_pack, timeout_seconds)
+        allreduce.check_gradient_dtype(gradient_dtype)
+        resolved = devices_lib.resolve_devices(devices)
+        strategy = devices_lib.mirrored_strategy(resolved)
+        original = _rebuild.build_original(model)
+        factory = None if isinstance(model, keras.Model) else model
+        inner = _rebuild.clone_in_scope(original, factory, strategy)
+        super().__init__(name=name or f"mirrored_{original.name}")
+        self._strategy = strategy
+        self._devices = tuple(resolved)
+        self._multi_worker = False
+        # Not tracked by Keras: the wrapper's weights are the replicas' only.
+        object.__setattr__(self, "_original", original)
+        self._inner = inner
+        self._batch_mode = batch
+        self._capacity = None
+        self.on_nonfinite = on_nonfinite
+        self._gradient_dtype = gradient_dtype
+        self._comm_options = comm
+        self.replica_history = {}
+        if inner.built:
+            self.built = True
+        if getattr(original, "compiled", False) and original.optimizer:
+            self.compile_from_config(original.get_compile_config())
+
+    # -- public attributes -------------------------------------------------
+
+    @property
+    def num_replicas(self):
+        """The number of replicas (devices) in sync."""
+        return self._strategy.num_replicas_in_sync
+
+    @property
+    def devices(self):
+        """The replicas' device names, in replica order."""
+        return self._devices
+
+    @property
+    def strategy(self):
+        """The `tf.distribute` strategy that runs the replicas."""
+        return self._strategy
+
+    @property
+    def batch_mode(self):
+        """`"global"` or `"per_replica"`."""
+        return self._batch_mode
+
+    @property
+    def allreduce_bytes_per_step(self):
+        """Bytes each replica sends into the gradient all-reduce per step."""
+        return allreduce.bytes_per_step(self.trainable_weights,
+                                        self._gradient_dtype)
+
+    def split_plan(self, batch_size, replica_batch_size=None):
+        """Rows each replica receives, in replica order.
+
+        Args:
+            batch_size: int. Rows in one global batch (in `"per_replica"`
+                mode: the rows of the `N` joined replica batches).
+            replica_batch_size: int or None. In `"per_replica"` mode, the
+                rows of a full replica batch; default `batch_size // N`
+                rounded up.
+
+        Returns:
+            A tuple of `num_replicas` ints that sums to `batch_size`.
+        """
+        if isinstance(batch_size, bool) or not isinstance(batch_size, int) \
+                or batch_size < 0:
+            raise ValueError(
+                "`batch_size` must be a non-negative integer. "
+                f"Received: batch_size={batch_size!r}")
+        n = self.num_replicas
+        if self._batch_mode == "global":
+            return split.balanced_sizes(batch_size, n)
+        capacity = replica_batch_size or -(-batch_size // n)
+        return split.fill_sizes(batch_size, n, capacity)
+
+    def call(self, inputs, training=None):
+        return self._inner(inputs, training=training)
+
+    # -- compile -----------------------------------------------------------
+
+    def compile(self, optimizer="rmsprop", loss=None, loss_weights=None,
+                metrics=None, weighted_metrics=None, run_eagerly=False,
+                steps_per_execution=1, jit_compile="auto",
+                auto_scale_loss=True):
+        """Configures training as `keras.Model.compile` does.
+
+        The optimizer is created anew, from its class and config, inside the
+        strategy's scope so that its variables are mirrored. `jit_compile`
+        must stay off: XLA cannot compile a `tf.distribute` step.
+        """
+        if jit_compile is True:
+            raise ValueError(
+                "`jit_compile=True` is not supported: XLA cannot compile a "
+                "tf.distribute replica step. Received: jit_compile=True")
+        _check_reductions(loss)
+        with self._strategy.scope():
+            opt = _mirrored_optimizer(optimizer)
+            if (auto_scale_loss and keras.config.dtype_policy().name
+                    == "mixed_float16"):
+                opt = keras.optimizers.LossScaleOptimizer(opt)
+            if self._inner.built:
+                opt.build(self._inner.trainable_variables)
+        _compat.disable_optimizer_allreduce(opt)
+        super().compile(
+            optimizer=opt, loss=loss, loss_weights=loss_weights,
+            metrics=metrics, weighted_metrics=weighted_metrics,
+            run_eagerly=run_eagerly, steps_per_execution=steps_per_execution,
+            jit_compile=False, auto_scale_loss=False)
+
+    # -- building ----------------------------------------------------------
+
+    def _ensure_built(self, x):
+        if self._inner.built and self.optimizer.built:
+            return
+        sample = _inputs.first_x(x)
+        if sample is None:
+            raise ValueError(
+                "The wrapped model is not built and keras-mirror cannot "
+                "take a batch from this input to build it. Build the model "
+                "first (e.g. `model.build(input_shape)`). "
+                f"Received: x={type(x).__name__}")
+        with self._strategy.scope():
+            _rebuild.build_from_batch(self._inner, sample)
+            if self.optimizer is not None and not self.optimizer.built:
+                self.optimizer.build(self._inner.trainable_variables)
+        _rebuild.build_from_batch(self._original, sample)
+        self.built = True
+
+    def _require_compiled(self, method):
+        if not self.compiled or self.optimizer is None:
+            raise ValueError(
+                f"`MirroredModel.{method}` needs a compiled model: call "
+                "`mirrored.compile(optimizer=..., loss=...)` first, or wrap "
+                f"a compiled model. Received: compiled={self.compiled}")
+
+    # -- input -------------------------------------------------------------
+
+    def _adapt_input(self, x, batch_size):
+        """Returns (x, batch_size) for Keras; sets the split capacity."""
+        n = self.num_replicas
+        if self._batch_mode == "global":
+            capacity = None
+        elif isinstance(x, tf.data.Dataset):
+            capacity = _inputs.capacity_of(x)
+            x = _inputs.group_dataset(x, n)
+        elif isinstance(x, keras.utils.PyDataset):
+            capacity = _inputs.capacity_of(x)
+            x = _inputs.GroupedPyDataset(x, n)
+        else:
+            capacity = batch_size or 32
+            batch_size = capacity * n
+        if capacity != self._capacity:
+            self._capacity = capacity
+            self.train_function = None
+            self.test_function = None
+            self.predict_function = None
+        return x, batch_size
+
+    def _callbacks(self, callbacks, verbose, epochs, steps):
+        if isinstance(callbacks, keras.callbacks.CallbackList):
+            return callbacks
+        callbacks = [_replica_logs.ReplicaHistory(self)] + list(
+            callbacks or [])
+        return _replica_logs.ReplicaCallbackList(
+            callbacks, add_history=True, add_progbar=verbose != 0,
+            verbose=verbose, epochs=epochs, steps=steps, model=self)
+
+    # -- Keras training API ------------------------------------------------
+
+    def fit(self, x=None, y=None, batch_size=None, epochs=1, verbose="auto",
+            callbacks=None, validation_data=None, steps_per_epoch=None,
+            **kwargs):
+        """Trains as `keras.Model.fit`, with the input split per replica."""
+        self._require_compiled("fit")
+        x, batch_size = self._adapt_input(x, batch_size)
+        if validation_data is not None and isinstance(
+                validation_data, (tf.data.Dataset, keras.utils.PyDataset)):
+            validation_data, _ = self._adapt_input(validation_data, None)
+        self._ensure_built(x)
+        verbose = 1 if verbose == "auto" else verbose
+        steps = _inputs.count_steps(x, batch_size, steps_per_epoch,
+                                    kwargs.get("validation_split", 0.0))
+        callbacks = self._callbacks(callbacks, verbose, epochs, steps)
+        return super().fit(
+            x, y, batch_size=batch_size, epochs=epochs, verbose=verbose,
+            callbacks=callbacks, validation_data=validation_data,
+            steps_per_epoch=steps_per_epoch, **kwargs)
+
+    def evaluate(self, x=None, y=None, batch_size=None, **kwargs):
+        """Evaluates as `keras.Model.evaluate`, with exact global metrics."""
+        self._require_compiled("evaluate")
+        if not kwargs.get("_use_cached_eval_dataset"):
+            x, batch_size = self._adapt_input(x, batch_size)
+            self._ensure_built(x)
+        return super().evaluate(x, y, batch_size=batch_size, **kwargs)
+
+    def predict(self, x, batch_size=None, **kwargs):
+        """Predicts as `keras.Model.predict`; rows keep the input order."""
+        x, batch_size = self._adapt_input(x, batch_size)
+        if not self._inner.built:
+            with self._strategy.scope():
+                _rebuild.build_from_batch(self._inner, _inputs.first_x(x))
+            _rebuild.build_from_batch(self._original, _inputs.first_x(x))
+        return super().predict(x, batch_size=batch_size, **kwargs)
+
+    def train_on_batch(self, x, y=None, sample_weight=None, **kwargs):
+        """Runs one exact step on one global batch."""
+        self._require_compiled("train_on_batch")
+        self._adapt_input(None, None)
+        self._ensure_built(x)
+        return super().train_on_batch(x, y, sample_weight=sample_weight,
+                                      **_strip_replica(kwargs))
+
+    def test_on_batch(self, x, y=None, sample_weight=None, **kwargs):
+        """Evaluates one global batch exactly."""
+        self._require_compiled("test_on_batch")
+        self._ensure_built(x)
+        return super().test_on_batch(x, y, sample_weight=sample_weight,
+                                     **kwargs)
+
+    def predict_on_batch(self, x):
+        """Predicts one global batch; rows keep the input order."""
+        if not self._inner.built:
+            with self._strategy.scope():
+                _rebuild.build_from_batch(self._inner, x)
+        return super().predict_on_batch(x)
+
+    # -- the plain model and saving -----------------------------------------
+
+    @property
+    def model(self):
+        """The user's single-device model, holding the current weights."""
+        if self._inner.built:
+            if not self._original.built:
+                _rebuild.build_like(self._original, self._inner)
+            _rebuild.copy_weights(self._inner, self._original)
+        return self._original
+
+    def save(self, filepath, overwrite=True, **kwargs):
+        """Saves the plain model (weights synced) as a `.keras` file.
+
+        The file loads with `keras.saving.load_model` without keras-mirror.
+        """
+        filepath = str(filepath)
+        if not filepath.endswith(".keras"):
+            raise ValueError(
+                "`filepath` must end in `.keras` (the only full-model "
+                "format keras-mirror writes). "
+                f"Received: filepath={filepath!r}")
+        self.model.save(filepath, overwrite=overwrite, **kwargs)
+
+    def save_weights(self, filepath, overwrite=True, **kwargs):
+        """Saves the weights (`.weights.h5`) of the plain model."""
+        filepath = str(filepath)
+        if not filepath.endswith(".weights.h5"):
+            raise ValueError(
+                "`filepath` must end in `.weights.h5`. "
+                f"Received: filepath={filepath!r}")
+        self.model.save_weights(filepath, overwrite=overwrite, **kwargs)
+
+    def load_weights(self, filepath, skip_mismatch=False, **kwargs):
+        """Loads `.weights.h5` weights into every replica."""
+        filepath = str(filepath)
+        if not filepath.endswith(".weights.h5"):
+            raise ValueError(
+                "`filepath` must end in `.weights.h5`; full models load with "
+                "`keras.saving.load_model(..., safe_mode=True)`. "
+                f"Received: filepath={filepath!r}")
+        original = self.model
+        original.load_weights(filepath, skip_mismatch=skip_mismatch,
+                              **kwargs)
+        _rebuild.copy_weights(original, self._inner)
+
+    def summary(self, *args, **kwargs):
+        """Prints the plan, the devices and the wrapped model's summary."""
+        print_fn = kwargs.get("print_fn") or print
+        print_fn(
+            f"MirroredModel: {self.num_replicas} replica(s) on "
+            f"{list(self._devices)}, batch={self._batch_mode!r}, "
+            f"execution path: tf.distribute {type(self._strategy).__name__} "
+            f"(one replica step per device, explicit gradient all-reduce)")
+        self._inner.summary(*args, **kwargs)
+
+    def get_config(self):
+        raise NotImplementedError(
+            "A MirroredModel is not serialised itself: `save` writes the "
+            "wrapped plain model, which loads without keras-mirror.")
+
+
+def _strip_replica(kwargs):
+    return {k: v for k, v in kwargs.items() if k != "replica"}
+
+
+def _mirrored_optimizer(optimizer):
+    """A fresh optimizer (same class and config) made in the current scope."""
+    if isinstance(optimizer, keras.optimizers.Optimizer):
+        return optimizer.__class__.from_config(optimizer.get_config())
+    return keras.optimizers.get(optimizer)
+
+
+def _check_reductions(loss):
+    for leaf in tf.nest.flatten(loss):
+        reduction = getattr(leaf, "reduction", "sum_over_batch_size")
+        if isinstance(leaf, keras.losses.Loss) and \
+                reduction not in _EXACT_REDUCTIONS:
+            raise ValueError(
+                "keras-mirror weights each replica's loss by its share of "
+                "the global batch, which is exact for the reductions "
+                f"{_EXACT_REDUCTIONS}. Received: loss={leaf!r} with "
+                f"reduction={reduction!r}")
