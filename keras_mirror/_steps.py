@@ -36,6 +36,16 @@ def _batch_size(x):
     return tf.shape(_first_leaf(x))[0]
 
 
+def _dynamic_rows(t):
+    """`t` with its row count hidden from static shape inference.
+
+    A shard whose row count is statically 0 would make Keras skip the loss
+    reduction (`reduce_values` returns a (0,)-shaped tensor unreduced).
+    """
+    shape = [None] + t.shape.as_list()[1:]
+    return tf.compat.v1.placeholder_with_default(t, shape=shape)
+
+
 def _weight_regularization(model):
     """Sum of the variables' regularisers, as Keras adds them to `losses`."""
     terms = [
@@ -87,7 +97,8 @@ class ReplicaSteps:
         def shard(ctx):
             r = ctx.replica_id_in_sync_group
             return tf.nest.map_structure(
-                lambda t: t[offsets[r]:offsets[r] + sizes[r]], data)
+                lambda t: _dynamic_rows(t[offsets[r]:offsets[r] + sizes[r]]),
+                data)
 
         return self._strategy.experimental_distribute_values_from_function(
             shard)
@@ -188,7 +199,7 @@ class ReplicaSteps:
 
             # A cond whose branch calls `merge_call` must run in the
             # cross-replica context (as Keras's LossScaleOptimizer does).
-            tf.cond(finite, apply_on_each, tf.no_op)
+            tf.cond(finite, apply_on_each, lambda: None)
 
         tf.distribute.get_replica_context().merge_call(
             cross_replica, args=(grads, total_nonfinite))
