@@ -8,6 +8,7 @@ from keras_mirror import _inputs
 from keras_mirror import _rebuild
 from keras_mirror import _replica_logs
 from keras_mirror import _steps
+from keras_mirror import _validate
 from keras_mirror import allreduce
 from keras_mirror import devices as devices_lib
 from keras_mirror import split
@@ -82,6 +83,8 @@ class MirroredModel(_steps.ReplicaSteps, keras.Model):
             raise ValueError(
                 f"`on_nonfinite` must be one of {NONFINITE_MODES}. "
                 f"Received: on_nonfinite={on_nonfinite!r}")
+        _validate.check_choice("communication", communication,
+                               ("auto", "ring", "nccl"))
         comm = allreduce.communication_options(
             communication, bytes_per_pack, timeout_seconds)
         allreduce.check_gradient_dtype(gradient_dtype)
@@ -259,11 +262,14 @@ class MirroredModel(_steps.ReplicaSteps, keras.Model):
             **kwargs):
         """Trains as `keras.Model.fit`, with the input split per replica."""
         self._require_compiled("fit")
+        _validate.check_fit_inputs(self, x, y, batch_size, steps_per_epoch,
+                                   kwargs.get("sample_weight"))
         x, batch_size = self._adapt_input(x, batch_size)
         if validation_data is not None and isinstance(
                 validation_data, (tf.data.Dataset, keras.utils.PyDataset)):
             validation_data, _ = self._adapt_input(validation_data, None)
         self._ensure_built(x)
+        _validate.check_built_model(self, x, y)
         verbose = 1 if verbose == "auto" else verbose
         steps = _inputs.count_steps(x, batch_size, steps_per_epoch,
                                     kwargs.get("validation_split", 0.0))

@@ -1,0 +1,255 @@
+"""Eager checks of `MirroredModel.fit`'s arguments, with Keras-style errors.
+
+Each check names the argument in backticks, says what was expected and ends
+with `Received: name=value`, so that a mistake fails before the first step
+with a message that points at it, instead of deep inside a traced replica
+step (or, for an empty dataset or an oversized `steps_per_epoch`, not at
+all). `docs/errors.md` lists every error and `tests/test_errors.py` asserts
+each message.
+"""
+
+import keras
+import numpy as np
+import tensorflow as tf
+
+from keras_mirror import _inputs
+
+
+def check_choice(name, value, choices):
+    """Raises ValueError unless `value` is one of `choices`."""
+    if value not in choices:
+        raise ValueError(
+            f"`{name}` must be one of {tuple(choices)}. "
+            f"Received: {name}={value!r}"
+        )
+
+
+def _positive_int(name, value):
+    if value is None:
+        return
+    if isinstance(value, bool) or not isinstance(value, (int, np.integer)) \
+            or value < 1:
+        raise ValueError(
+            f"`{name}` must be a positive integer or None. "
+            f"Received: {name}={value!r}"
+        )
+
+
+def _rows(t):
+    return int(t.shape[0]) if len(t.shape) else None
+
+
+def _check_lengths(x, y, sample_weight):
+    """Arrays: `x`, `y` and `sample_weight` must have the same rows."""
+    parts = {"x": x, "y": y, "sample_weight": sample_weight}
+    rows = {}
+    for name, value in parts.items():
+        if value is None or not _inputs.is_array(value):
+            continue
+        for leaf in tf.nest.flatten(value):
+            if leaf is not None and _rows(leaf) is not None:
+                rows.setdefault(name, _rows(leaf))
+                if _rows(leaf) != rows[name]:
+                    raise ValueError(
+                        f"Every array in `{name}` must have the same number "
+                        f"of rows. Received: {name} with row counts "
+                        f"{[_rows(t) for t in tf.nest.flatten(value)]}"
+                    )
+    if "x" in rows and rows["x"] == 0:
+        raise ValueError(
+            "`x` must hold at least one example. "
+            f"Received: x with shape {tuple(tf.nest.flatten(x)[0].shape)}"
+        )
+    for name in ("y", "sample_weight"):
+        if name in rows and "x" in rows and rows[name] != rows["x"]:
+            raise ValueError(
+                f"`{name}` must have as many rows as `x` ({rows['x']}). "
+                f"Received: {name} with {rows[name]} rows "
+                f"(len(x)={rows['x']}, len({name})={rows[name]})"
+            )
+
+
+def _cardinality(dataset):
+    return int(dataset.cardinality())
+
+
+def _check_dataset(x, steps_per_epoch, batch_mode, num_replicas):
+    """A dataset must yield, hold enough batches and group evenly."""
+    card = _cardinality(x)
+    if card == 0 or (card == tf.data.UNKNOWN_CARDINALITY
+                     and not list(x.take(1))):
+        raise ValueError(
+            "`x` must yield at least one batch, but the dataset is empty. "
+            f"Received: x={x!r}"
+        )
+    if card < 0:
+        return
+    if batch_mode == "per_replica" and card % num_replicas:
+        raise ValueError(
+            "`batch='per_replica'` needs the number of batches of `x` to be "
+            f"a multiple of the replica count ({num_replicas}): one step "
+            f"takes {num_replicas} batches and the last group would be "
+            f"short. Received: x with {card} batches"
+        )
+    steps = -(-card // num_replicas) if batch_mode == "per_replica" else card
+    if steps_per_epoch is not None and steps_per_epoch > steps:
+        raise ValueError(
+            f"`steps_per_epoch` must be at most the {steps} step(s) that "
+            "the finite dataset `x` provides (repeat it with "
+            "`dataset.repeat()` for more). "
+            f"Received: steps_per_epoch={steps_per_epoch!r}"
+        )
+
+
+def _x_and_y_spec(x):
+    """(x structure, has targets) of an input, or (None, None) if unknown."""
+    if isinstance(x, tf.data.Dataset):
+        spec = x.element_spec
+        if isinstance(spec, tuple):
+            return spec[0], len(spec) > 1
+        return spec, False
+    return None, None
+
+
+def _check_targets(model, x, y):
+    if model.loss is None:
+        return
+    if _inputs.is_array(x) and y is None:
+        raise ValueError(
+            "`y` must be given: the model was compiled with a loss "
+            f"({_name(model.loss)}), which needs targets. Received: y=None"
+        )
+    _, has_targets = _x_and_y_spec(x)
+    if has_targets is False:
+        raise ValueError(
+            "`x` must yield `(inputs, targets)` or `(inputs, targets, "
+            "sample_weights)` tuples: the model was compiled with a loss "
+            f"({_name(model.loss)}), which needs targets. "
+            f"Received: x with element_spec={x.element_spec!r}"
+        )
+
+
+def _name(obj):
+    return getattr(obj, "__name__", None) or repr(obj)
+
+
+def _expected_inputs(model):
+    """The model's input structure of `KerasTensor`s, or None."""
+    try:
+        if isinstance(model, keras.Sequential):
+            inputs = model.inputs
+            return inputs[0] if inputs and len(inputs) == 1 else None
+        return model.input
+    except (AttributeError, ValueError):
+        return None
+
+
+def _shape_matches(shape, expected):
+    shape, expected = tuple(shape), tuple(expected)
+    if len(shape) != len(expected):
+        return False
+    return all(e is None or s is None or int(s) == int(e)
+               for s, e in zip(shape[1:], expected[1:]))
+
+
+def _check_one_shape(name, value, expected):
+    shape = getattr(value, "shape", None)
+    if shape is None or not hasattr(expected, "shape"):
+        return
+    if not _shape_matches(shape, expected.shape):
+        raise ValueError(
+            f"`{name}` must have the shape {tuple(expected.shape)} "
+            "(None: any size) of the model's input. "
+            f"Received: {name}.shape={tuple(shape)}"
+        )
+
+
+def _check_input_structure(model, x):
+    expected = _expected_inputs(model)
+    if expected is None or x is None:
+        return
+    spec, _ = _x_and_y_spec(x)
+    given = spec if spec is not None else x
+    if not (_inputs.is_array(x) or spec is not None):
+        return
+    if isinstance(expected, dict):
+        if not isinstance(given, dict):
+            raise ValueError(
+                f"`x` must be a dict with the keys {sorted(expected)} of "
+                f"the model's inputs. Received: x={type(given).__name__}"
+            )
+        missing = sorted(set(expected) - set(given))
+        if missing:
+            raise ValueError(
+                f"`x` must have the keys {sorted(expected)} of the model's "
+                f"inputs; {missing} missing. "
+                f"Received: x with keys {sorted(given)}"
+            )
+        for key, tensor in expected.items():
+            _check_one_shape(f"x[{key!r}]", given[key], tensor)
+    elif not isinstance(expected, (list, tuple)) and not isinstance(
+            given, (dict, list, tuple)):
+        _check_one_shape("x", given, expected)
+
+
+def check_fit_inputs(mirrored, x, y, batch_size, steps_per_epoch,
+                     sample_weight=None):
+    """Validates `fit`'s input arguments before any step runs."""
+    _positive_int("batch_size", batch_size)
+    _positive_int("steps_per_epoch", steps_per_epoch)
+    if isinstance(x, tf.data.Dataset):
+        _check_dataset(x, steps_per_epoch, mirrored.batch_mode,
+                       mirrored.num_replicas)
+    else:
+        _check_lengths(x, y, sample_weight)
+    _check_targets(mirrored, x, y)
+    _check_input_structure(mirrored._inner, x)
+
+
+def _probe_batch(x, y):
+    """Up to 2 rows of (x, y) from arrays or a dataset, or None."""
+    if isinstance(x, tf.data.Dataset):
+        element = next(iter(x.take(1)), None)
+        if element is None:
+            return None
+        x, y, _ = keras.utils.unpack_x_y_sample_weight(element)
+    elif not _inputs.is_array(x):
+        return None
+    if y is None or not _inputs.is_array(y):
+        return None
+    return tuple(tf.nest.map_structure(lambda t: t[:2], v) for v in (x, y))
+
+
+def _check_loss_per_example(mirrored, x, y):
+    loss = mirrored.loss
+    if not callable(loss) or isinstance(loss, (str, keras.losses.Loss)):
+        return
+    batch = _probe_batch(x, y)
+    if batch is None:
+        return
+    xs, ys = batch
+    y_pred = mirrored._original(xs, training=False)
+    values = loss(tf.convert_to_tensor(ys), y_pred)
+    rows = int(tf.nest.flatten(xs)[0].shape[0])
+    shape = tuple(values.shape)
+    if not shape or (rows > 1 and shape[0] != rows):
+        raise ValueError(
+            "`loss` must return one value per example (shape "
+            "`(batch_size, ...)`), not a reduced value: keras-mirror "
+            "weights each replica's loss by its share of the global batch "
+            "and a replica's shard can be empty. Received: "
+            f"loss={_name(loss)} returning shape {shape} for {rows} "
+            "examples"
+        )
+
+
+def check_built_model(mirrored, x, y):
+    """Validates what needs a built model: trainable weights, the loss."""
+    inner = mirrored._inner
+    if not inner.trainable_weights:
+        raise ValueError(
+            "`model` must have trainable weights for `fit`: there is "
+            "nothing to train. Received: model="
+            f"{mirrored.model.name!r} with 0 trainable weights"
+        )
+    _check_loss_per_example(mirrored, x, y)
