@@ -9,6 +9,8 @@ Supported range: Keras 3.14 and 3.15 (3.14 brought the 2025-2026 fixes to
 safe-mode loading that keras-mirror's saving relies on).
 """
 
+import contextlib
+
 import keras
 
 SUPPORTED_KERAS = ((3, 14), (3, 16))  # [low, high)
@@ -23,6 +25,13 @@ _ALLREDUCE_HOOK = "_all_reduce_sum_gradients"
 # The loss tracker that `fit` reports as `loss`; Keras exposes it only through
 # `model.metrics`, by name, so we look it up there.
 _LOSS_TRACKER = "_loss_tracker"
+
+
+# Keras builds the compiled loss and metrics lazily, on their first call. In a
+# replica step that would create their variables inside `strategy.run`;
+# `Trainer._symbolic_build` (what stock `fit` runs under a strategy) builds
+# them from a batch's shapes without running a step.
+_SYMBOLIC_BUILD = "_symbolic_build"
 
 
 def keras_version():
@@ -63,3 +72,75 @@ def disable_optimizer_allreduce(optimizer):
 def loss_tracker(model):
     """The `Mean` metric behind `logs["loss"]`, or None before compile."""
     return getattr(model, _LOSS_TRACKER, None)
+
+
+# -- models with their own `train_step` (keras_mirror._custom_step) ---------
+
+# Inside a `tf.distribute` strategy, Keras divides every reduced loss by the
+# replica count (`keras.src.losses.loss.scale_loss_for_distribution`, used by
+# `Loss.__call__` and `Model.compute_loss`; `unscale_loss_for_distribution`
+# undoes it for the loss trackers). A user's own `train_step` run per replica
+# must see the loss one device computes on its shard, so that keras-mirror
+# can weight the gradients by the shard's share of the global batch instead;
+# both functions are replaced by the identity while the replicas' steps are
+# traced.
+_LOSS_MODULE = "keras.src.losses.loss"
+_LOSS_SCALERS = ("scale_loss_for_distribution", "unscale_loss_for_distribution")
+
+
+def _loss_module():
+    import importlib
+
+    return importlib.import_module(_LOSS_MODULE)
+
+
+def _identity(value):
+    return value
+
+
+@contextlib.contextmanager
+def unscaled_losses():
+    """Within the block, Keras losses are not divided by the replica count."""
+    module = _loss_module()
+    saved = {}
+    for name in _LOSS_SCALERS:
+        if not hasattr(module, name):
+            raise RuntimeError(
+                f"This Keras release ({keras.__version__}) has no "
+                f"`{_LOSS_MODULE}.{name}`; keras-mirror cannot run a custom "
+                "`train_step` per replica exactly. Install a supported Keras "
+                "(see keras_mirror._compat).")
+        saved[name] = getattr(module, name)
+    try:
+        for name in _LOSS_SCALERS:
+            setattr(module, name, _identity)
+        yield
+    finally:
+        for name, fn in saved.items():
+            setattr(module, name, fn)
+
+
+def replace_optimizer_allreduce(optimizer, make_hook):
+    """Replaces the gradient all-reduce of `optimizer` (and its inner one).
+
+    `make_hook(original)` receives the optimizer's own bound
+    `_all_reduce_sum_gradients` and returns the function that takes its
+    place (same contract: a list of `(gradient, variable)` pairs in, the
+    all-reduced list out).
+    """
+    for opt in (optimizer, getattr(optimizer, "inner_optimizer", None)):
+        if opt is None:
+            continue
+        if not hasattr(opt, _ALLREDUCE_HOOK):
+            raise RuntimeError(
+                f"This Keras release ({keras.__version__}) has no "
+                f"`{type(opt).__name__}.{_ALLREDUCE_HOOK}`; keras-mirror "
+                "cannot weight the gradients of a custom `train_step`. "
+                "Install a supported Keras (see keras_mirror._compat).")
+        original = getattr(type(opt), _ALLREDUCE_HOOK).__get__(opt)
+        setattr(opt, _ALLREDUCE_HOOK, make_hook(original))
+
+
+def symbolic_build(model, data_batch):
+    """Builds the model, compiled loss and compiled metrics from a batch."""
+    getattr(model, _SYMBOLIC_BUILD)(data_batch=data_batch)

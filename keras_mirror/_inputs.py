@@ -23,17 +23,27 @@ def num_rows(x):
     return int(tf.nest.flatten(x)[0].shape[0])
 
 
-def first_x(x):
-    """A small batch of inputs `x` for building an unbuilt model."""
+def first_batch(x, y=None, sample_weight=None):
+    """A small `(x, y, sample_weight)` batch of the input, or None.
+
+    Used to build an unbuilt model and the compiled loss and metrics before
+    the first step, so that nothing is created inside a replica.
+    """
     if isinstance(x, tf.data.Dataset):
         element = next(iter(x.take(1)))
-        return keras.utils.unpack_x_y_sample_weight(element)[0]
+        return keras.utils.unpack_x_y_sample_weight(element)
     if isinstance(x, keras.utils.PyDataset):
-        return keras.utils.unpack_x_y_sample_weight(x[0])[0]
-    if is_array(x):
+        return keras.utils.unpack_x_y_sample_weight(x[0])
+    if x is not None and is_array(x):
         return tf.nest.map_structure(
-            lambda t: None if t is None else t[:1], x)
+            lambda t: None if t is None else t[:1], (x, y, sample_weight))
     return None
+
+
+def first_x(x):
+    """A small batch of inputs `x` for building an unbuilt model."""
+    batch = first_batch(x)
+    return None if batch is None else batch[0]
 
 
 def count_steps(x, batch_size, steps_per_epoch, validation_split=0.0):

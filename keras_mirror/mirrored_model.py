@@ -4,6 +4,7 @@ import keras
 import tensorflow as tf
 
 from keras_mirror import _compat
+from keras_mirror import _custom_step
 from keras_mirror import _inputs
 from keras_mirror import _rebuild
 from keras_mirror import _replica_logs
@@ -106,10 +107,12 @@ class MirroredModel(_steps.ReplicaSteps, keras.Model):
         self._gradient_dtype = gradient_dtype
         self._comm_options = comm
         self.replica_history = {}
+        self._custom_step = _custom_step.setup(original, inner)
         if inner.built:
             self.built = True
-        if getattr(original, "compiled", False) and original.optimizer:
-            self.compile_from_config(original.get_compile_config())
+        if getattr(original, "compiled", False) and original.optimizer \
+                and _custom_step.can_compile_like(original):
+            self._compile_like(original)
 
     # -- public attributes -------------------------------------------------
 
@@ -168,16 +171,26 @@ class MirroredModel(_steps.ReplicaSteps, keras.Model):
 
     # -- compile -----------------------------------------------------------
 
-    def compile(self, optimizer="rmsprop", loss=None, loss_weights=None,
-                metrics=None, weighted_metrics=None, run_eagerly=False,
-                steps_per_execution=1, jit_compile="auto",
-                auto_scale_loss=True):
+    def compile(self, *args, **kwargs):
         """Configures training as `keras.Model.compile` does.
 
         The optimizer is created anew, from its class and config, inside the
         strategy's scope so that its variables are mirrored. `jit_compile`
         must stay off: XLA cannot compile a `tf.distribute` step.
+
+        A model with its own `train_step` gets its own `compile`'s arguments
+        (e.g. `d_optimizer=..., g_optimizer=..., loss_fn=...`), forwarded to
+        it inside the strategy's scope, with fresh copies of the optimizers.
         """
+        if self._custom_step:
+            return _custom_step.compile(self, *args, **kwargs)
+        return self._compile_builtin(*args, **kwargs)
+
+    def _compile_builtin(self, optimizer="rmsprop", loss=None,
+                         loss_weights=None, metrics=None,
+                         weighted_metrics=None, run_eagerly=False,
+                         steps_per_execution=1, jit_compile="auto",
+                         auto_scale_loss=True):
         if jit_compile is True:
             raise ValueError(
                 "`jit_compile=True` is not supported: XLA cannot compile a "
@@ -197,24 +210,54 @@ class MirroredModel(_steps.ReplicaSteps, keras.Model):
             run_eagerly=run_eagerly, steps_per_execution=steps_per_execution,
             jit_compile=False, auto_scale_loss=False)
 
+    def _compile_like(self, original):
+        """Compiles with `original`'s compile configuration."""
+        config = keras.saving.deserialize_keras_object(
+            original.get_compile_config())
+        # XLA can't compile a replica step; the rest carries over.
+        config.pop("jit_compile", None)
+        self.compile(**config)
+
+    # -- a model's own train_step (see _custom_step.py) --------------------
+
+    @property
+    def metrics(self):
+        return _custom_step.metrics(self, super().metrics)
+
+    def train_step(self, data):
+        if self._custom_step:
+            return _custom_step.train_step(self, data)
+        return super().train_step(data)
+
+    def test_step(self, data):
+        if self._custom_step:
+            return _custom_step.test_step(self, data)
+        return super().test_step(data)
+
     # -- building ----------------------------------------------------------
 
-    def _ensure_built(self, x):
-        if self._inner.built and self.optimizer.built:
-            return
-        sample = _inputs.first_x(x)
-        if sample is None:
+    def _ensure_built(self, x, y=None, sample_weight=None):
+        """Builds the replicas, optimizer, loss and metrics before a step.
+
+        Building in the first step would split an unbuilt model's first
+        batch (which may not divide) and create variables inside replicas.
+        """
+        batch = _inputs.first_batch(x, y, sample_weight)
+        if batch is None:
+            if self._inner.built and self.optimizer.built:
+                return
             raise ValueError(
                 "The wrapped model is not built and keras-mirror cannot "
                 "take a batch from this input to build it. Build the model "
                 "first (e.g. `model.build(input_shape)`). "
                 f"Received: x={type(x).__name__}")
         with self._strategy.scope():
-            _rebuild.build_from_batch(self._inner, sample)
+            _rebuild.build_from_batch(self._inner, batch[0])
             if self.optimizer is not None and not self.optimizer.built:
                 self.optimizer.build(self._inner.trainable_variables)
-        _rebuild.build_from_batch(self._original, sample)
+        _rebuild.build_from_batch(self._original, batch[0])
         self.built = True
+        _compat.symbolic_build(self, batch)
 
     def _require_compiled(self, method):
         if not self.compiled or self.optimizer is None:
@@ -239,12 +282,24 @@ class MirroredModel(_steps.ReplicaSteps, keras.Model):
         else:
             capacity = batch_size or 32
             batch_size = capacity * n
+        self._set_capacity(capacity)
+        return x, batch_size
+
+    def _set_capacity(self, capacity):
+        """Sets the fill-rule capacity; a change retraces the step functions."""
         if capacity != self._capacity:
             self._capacity = capacity
             self.train_function = None
             self.test_function = None
             self.predict_function = None
-        return x, batch_size
+
+    def _on_batch_capacity(self, x):
+        """One global batch given to `*_on_batch`: `N` replica batches."""
+        if self._batch_mode == "per_replica":
+            rows = _inputs.num_rows(x)
+            self._set_capacity(-(-rows // self.num_replicas))
+        else:
+            self._set_capacity(None)
 
     def _callbacks(self, callbacks, verbose, epochs, steps):
         if isinstance(callbacks, keras.callbacks.CallbackList):
@@ -268,7 +323,7 @@ class MirroredModel(_steps.ReplicaSteps, keras.Model):
         if validation_data is not None and isinstance(
                 validation_data, (tf.data.Dataset, keras.utils.PyDataset)):
             validation_data, _ = self._adapt_input(validation_data, None)
-        self._ensure_built(x)
+        self._ensure_built(x, y, kwargs.get("sample_weight"))
         _validate.check_built_model(self, x, y)
         verbose = 1 if verbose == "auto" else verbose
         steps = _inputs.count_steps(x, batch_size, steps_per_epoch,
@@ -284,7 +339,7 @@ class MirroredModel(_steps.ReplicaSteps, keras.Model):
         self._require_compiled("evaluate")
         if not kwargs.get("_use_cached_eval_dataset"):
             x, batch_size = self._adapt_input(x, batch_size)
-            self._ensure_built(x)
+            self._ensure_built(x, y, kwargs.get("sample_weight"))
         return super().evaluate(x, y, batch_size=batch_size, **kwargs)
 
     def predict(self, x, batch_size=None, **kwargs):
@@ -299,20 +354,22 @@ class MirroredModel(_steps.ReplicaSteps, keras.Model):
     def train_on_batch(self, x, y=None, sample_weight=None, **kwargs):
         """Runs one exact step on one global batch."""
         self._require_compiled("train_on_batch")
-        self._adapt_input(None, None)
-        self._ensure_built(x)
+        self._on_batch_capacity(x)
+        self._ensure_built(x, y, sample_weight)
         return super().train_on_batch(x, y, sample_weight=sample_weight,
-                                      **_strip_replica(kwargs))
+                                      **kwargs)
 
     def test_on_batch(self, x, y=None, sample_weight=None, **kwargs):
         """Evaluates one global batch exactly."""
         self._require_compiled("test_on_batch")
-        self._ensure_built(x)
+        self._on_batch_capacity(x)
+        self._ensure_built(x, y, sample_weight)
         return super().test_on_batch(x, y, sample_weight=sample_weight,
                                      **kwargs)
 
     def predict_on_batch(self, x):
         """Predicts one global batch; rows keep the input order."""
+        self._on_batch_capacity(x)
         if not self._inner.built:
             with self._strategy.scope():
                 _rebuild.build_from_batch(self._inner, x)
@@ -378,10 +435,6 @@ class MirroredModel(_steps.ReplicaSteps, keras.Model):
         raise NotImplementedError(
             "A MirroredModel is not serialised itself: `save` writes the "
             "wrapped plain model, which loads without keras-mirror.")
-
-
-def _strip_replica(kwargs):
-    return {k: v for k, v in kwargs.items() if k != "replica"}
 
 
 def _mirrored_optimizer(optimizer):

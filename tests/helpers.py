@@ -1,0 +1,27 @@
+"""Shared builders for the tests: small models and single-device references."""
+
+import keras
+import numpy as np
+
+
+def mlp(regularize=True, seed=0):
+    keras.utils.set_random_seed(seed)
+    reg = keras.regularizers.L2(0.01) if regularize else None
+    return keras.Sequential([
+        keras.Input((6,)),
+        keras.layers.Dense(16, activation="tanh", kernel_regularizer=reg),
+        keras.layers.Dense(3),
+    ])
+
+
+def data(rows, seed=1, features=6, outputs=3):
+    rng = np.random.default_rng(seed)
+    x = rng.normal(size=(rows, features)).astype("float32")
+    y = rng.normal(size=(rows, outputs)).astype("float32")
+    sw = rng.uniform(0.1, 2.0, size=(rows,)).astype("float32")
+    return x, y, sw
+
+
+def max_diff(a_weights, b_weights):
+    return max(float(np.max(np.abs(a - b)))
+               for a, b in zip(a_weights, b_weights))

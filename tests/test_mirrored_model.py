@@ -1,0 +1,325 @@
+"""Exactness of MirroredModel against single-device training."""
+
+import keras
+import numpy as np
+import pytest
+import tensorflow as tf
+from helpers import data
+from helpers import max_diff
+from helpers import mlp
+
+import keras_mirror
+
+# First batch smaller than 4 replicas and uneven, then even, uneven, tiny.
+BATCHES = (3, 8, 7, 5, 1)
+
+OPTIMIZERS = {
+    "sgd_momentum": lambda: keras.optimizers.SGD(0.05, momentum=0.9),
+    "adam": lambda: keras.optimizers.Adam(0.01),
+    "adam_clipnorm": lambda: keras.optimizers.Adam(0.01, clipnorm=0.05),
+    "sgd_global_clipnorm": lambda: keras.optimizers.SGD(
+        0.1, global_clipnorm=0.05),
+    "adamw_weight_decay": lambda: keras.optimizers.AdamW(
+        0.01, weight_decay=0.1),
+}
+
+
+def _step_both(n, cpus, make_optimizer, batches=BATCHES, sample_weight=True):
+    reference = mlp()
+    reference.compile(optimizer=make_optimizer(), loss="mse",
+                      metrics=["mae"])
+    mirrored = keras_mirror.MirroredModel(mlp(), devices=cpus[:n])
+    mirrored.compile(optimizer=make_optimizer(), loss="mse", metrics=["mae"])
+    x, y, sw = data(sum(batches))
+    start = 0
+    losses = []
+    for rows in batches:
+        sl = slice(start, start + rows)
+        kwargs = {"sample_weight": sw[sl]} if sample_weight else {}
+        ref = reference.train_on_batch(x[sl], y[sl], return_dict=True,
+                                       **kwargs)
+        got = mirrored.train_on_batch(x[sl], y[sl], return_dict=True,
+                                      **kwargs)
+        losses.append((ref, got))
+        start += rows
+    return reference, mirrored, losses
+
+
+@pytest.mark.parametrize("n", [1, 2, 3, 4])
+def test_adam_steps_equal_single_device_for_each_replica_count(n, cpus):
+    reference, mirrored, losses = _step_both(n, cpus, OPTIMIZERS["adam"])
+    assert max_diff(reference.get_weights(), mirrored.model.get_weights()) \
+        < 1e-5
+    for ref, got in losses:
+        assert got["loss"] == pytest.approx(ref["loss"], rel=1e-5, abs=1e-6)
+        assert got["mae"] == pytest.approx(ref["mae"], rel=1e-5, abs=1e-6)
+
+
+@pytest.mark.parametrize("name", sorted(OPTIMIZERS))
+def test_optimizer_options_see_the_global_gradient(name, cpus):
+    reference, mirrored, _ = _step_both(4, cpus, OPTIMIZERS[name])
+    assert max_diff(reference.get_weights(), mirrored.model.get_weights()) \
+        < 1e-5
+    assert int(mirrored.optimizer.iterations.numpy()) == len(BATCHES)
+
+
+def test_split_plan_matches_the_rows_replicas_receive(cpus):
+    mirrored = keras_mirror.MirroredModel(mlp(), devices=cpus)
+    mirrored.compile(optimizer="sgd", loss="mse")
+    x, y, _ = data(23)
+    history = mirrored.fit(x, y, batch_size=10, epochs=1, shuffle=False,
+                           verbose=0)
+    steps = mirrored.replica_history["batch"]
+    got = [tuple(int(v) for v in s["samples"]) for s in steps]
+    assert got == [mirrored.split_plan(10), mirrored.split_plan(10),
+                   mirrored.split_plan(3)]
+    assert got[-1] == (1, 1, 1, 0)
+    assert history.history["replica_samples"][0].tolist() == [7, 7, 5, 4]
+
+
+def test_split_plan_rules(cpus):
+    mirrored = keras_mirror.MirroredModel(mlp(), devices=cpus)
+    assert mirrored.split_plan(10) == (3, 3, 2, 2)
+    assert mirrored.split_plan(2) == (1, 1, 0, 0)
+    assert mirrored.split_plan(0) == (0, 0, 0, 0)
+    per_replica = keras_mirror.MirroredModel(mlp(), devices=cpus,
+                                             batch="per_replica")
+    assert per_replica.split_plan(13, replica_batch_size=4) == (4, 4, 4, 1)
+    assert per_replica.split_plan(5, replica_batch_size=4) == (4, 1, 0, 0)
+
+
+def test_fit_numpy_with_sample_and_class_weight_equals_single_device(cpus):
+    x, _, sw = data(50)
+    labels = (np.abs(x[:, 0] * 3).astype("int64") % 3)
+    reference = mlp()
+    reference.compile(optimizer=keras.optimizers.SGD(0.1, momentum=0.5),
+                      loss=keras.losses.SparseCategoricalCrossentropy(
+                          from_logits=True), metrics=["accuracy"])
+    mirrored = keras_mirror.MirroredModel(mlp(), devices=cpus)
+    mirrored.compile(optimizer=keras.optimizers.SGD(0.1, momentum=0.5),
+                     loss=keras.losses.SparseCategoricalCrossentropy(
+                         from_logits=True), metrics=["accuracy"])
+    kwargs = dict(batch_size=16, epochs=2, shuffle=False, verbose=0,
+                  class_weight={0: 1.0, 1: 2.0, 2: 0.5})
+    h_ref = reference.fit(x, labels, **kwargs)
+    h_got = mirrored.fit(x, labels, **kwargs)
+    assert max_diff(reference.get_weights(), mirrored.model.get_weights()) \
+        < 1e-5
+    np.testing.assert_allclose(h_got.history["loss"], h_ref.history["loss"],
+                               rtol=1e-5)
+    np.testing.assert_allclose(h_got.history["accuracy"],
+                               h_ref.history["accuracy"], rtol=1e-6)
+    del sw
+
+
+def test_tf_data_and_pydataset_inputs(cpus):
+    x, y, sw = data(30)
+
+    class Batches(keras.utils.PyDataset):
+        def __len__(self):
+            return 4
+
+        def __getitem__(self, i):
+            sl = slice(i * 8, min(30, i * 8 + 8))
+            return x[sl], y[sl], sw[sl]
+
+    ds = tf.data.Dataset.from_tensor_slices((x, y, sw)).batch(8)
+    results = []
+    for source in (ds, Batches()):
+        reference = mlp()
+        reference.compile(optimizer="adam", loss="mse")
+        mirrored = keras_mirror.MirroredModel(mlp(), devices=cpus)
+        mirrored.compile(optimizer="adam", loss="mse")
+        reference.fit(source, epochs=2, shuffle=False, verbose=0)
+        mirrored.fit(source, epochs=2, shuffle=False, verbose=0)
+        results.append(max_diff(reference.get_weights(),
+                                mirrored.model.get_weights()))
+    assert max(results) < 1e-5
+
+
+def test_per_replica_batches_equal_single_device_on_joined_batches(cpus):
+    x, y, _ = data(30)
+    per_replica_ds = tf.data.Dataset.from_tensor_slices((x, y)).batch(4)
+    # 30 rows -> batches 4*7 + 2: 8 batches, two steps (16 rows, 14 rows).
+    mirrored = keras_mirror.MirroredModel(mlp(), devices=cpus,
+                                          batch="per_replica")
+    mirrored.compile(optimizer="adam", loss="mse")
+    mirrored.fit(per_replica_ds, epochs=1, verbose=0)
+    reference = mlp()
+    reference.compile(optimizer="adam", loss="mse")
+    reference.fit(x, y, batch_size=16, epochs=1, shuffle=False, verbose=0)
+    assert max_diff(reference.get_weights(), mirrored.model.get_weights()) \
+        < 1e-5
+    steps = [tuple(int(v) for v in s["samples"])
+             for s in mirrored.replica_history["batch"]]
+    assert steps == [(4, 4, 4, 4), (4, 4, 4, 2)]
+
+
+def test_per_replica_numpy_uses_batch_size_per_replica(cpus):
+    x, y, _ = data(37)
+    mirrored = keras_mirror.MirroredModel(mlp(), devices=cpus,
+                                          batch="per_replica")
+    mirrored.compile(optimizer="sgd", loss="mse")
+    mirrored.fit(x, y, batch_size=4, epochs=1, shuffle=False, verbose=0)
+    reference = mlp()
+    reference.compile(optimizer="sgd", loss="mse")
+    reference.fit(x, y, batch_size=16, epochs=1, shuffle=False, verbose=0)
+    steps = [tuple(int(v) for v in s["samples"])
+             for s in mirrored.replica_history["batch"]]
+    assert steps == [(4, 4, 4, 4), (4, 4, 4, 4), (4, 1, 0, 0)]
+    assert max_diff(reference.get_weights(), mirrored.model.get_weights()) \
+        < 1e-5
+
+
+def test_evaluate_and_predict_are_exact_and_ordered(cpus):
+    x, y, sw = data(29)
+    model = mlp()
+    model.compile(optimizer="sgd", loss="mse", metrics=["mae"])
+    mirrored = keras_mirror.MirroredModel(model, devices=cpus)
+    ref = model.evaluate(x, y, sample_weight=sw, batch_size=9, verbose=0,
+                         return_dict=True)
+    got = mirrored.evaluate(x, y, sample_weight=sw, batch_size=9, verbose=0,
+                            return_dict=True)
+    assert got["loss"] == pytest.approx(ref["loss"], rel=1e-6)
+    assert got["mae"] == pytest.approx(ref["mae"], rel=1e-6)
+    np.testing.assert_allclose(mirrored.predict(x, batch_size=9, verbose=0),
+                               model.predict(x, batch_size=9, verbose=0),
+                               atol=1e-6)
+    np.testing.assert_allclose(mirrored.predict_on_batch(x[:3]),
+                               model.predict_on_batch(x[:3]), atol=1e-6)
+
+
+def test_compiled_model_carries_its_configuration(cpus):
+    model = mlp()
+    model.compile(optimizer=keras.optimizers.Adam(0.003, beta_1=0.8),
+                  loss="mae", metrics=["mse"])
+    mirrored = keras_mirror.MirroredModel(model, devices=cpus)
+    assert type(mirrored.optimizer) is keras.optimizers.Adam
+    assert mirrored.optimizer.get_config()["beta_1"] == pytest.approx(0.8)
+    assert float(mirrored.optimizer.learning_rate.numpy()) == \
+        pytest.approx(0.003)
+    x, y, _ = data(12)
+    logs = mirrored.train_on_batch(x, y, return_dict=True)
+    assert set(logs) >= {"loss", "mse"}
+
+
+def _functional():
+    keras.utils.set_random_seed(3)
+    a = keras.Input((4,), name="a")
+    b = keras.Input((2,), name="b")
+    h = keras.layers.Dense(8, activation="relu")(
+        keras.layers.Concatenate()([a, b]))
+    out1 = keras.layers.Dense(1, name="reg")(h)
+    out2 = keras.layers.Dense(3, name="cls")(h)
+    return keras.Model({"a": a, "b": b}, {"reg": out1, "cls": out2})
+
+
+def test_multi_input_multi_output_functional_with_loss_weights(cpus):
+    rng = np.random.default_rng(0)
+    x = {"a": rng.normal(size=(21, 4)).astype("float32"),
+         "b": rng.normal(size=(21, 2)).astype("float32")}
+    y = {"reg": rng.normal(size=(21, 1)).astype("float32"),
+         "cls": rng.integers(0, 3, size=(21,))}
+    compile_args = dict(
+        loss={"reg": "mse", "cls": keras.losses.SparseCategoricalCrossentropy(
+            from_logits=True)},
+        loss_weights={"reg": 0.3, "cls": 1.0},
+        metrics={"cls": ["accuracy"]})
+    reference = _functional()
+    reference.compile(optimizer="adam", **compile_args)
+    mirrored = keras_mirror.MirroredModel(_functional(), devices=cpus[:3])
+    mirrored.compile(optimizer="adam", **compile_args)
+    h_ref = reference.fit(x, y, batch_size=8, epochs=2, shuffle=False,
+                          verbose=0)
+    h_got = mirrored.fit(x, y, batch_size=8, epochs=2, shuffle=False,
+                         verbose=0)
+    assert max_diff(reference.get_weights(), mirrored.model.get_weights()) \
+        < 1e-5
+    np.testing.assert_allclose(h_got.history["loss"], h_ref.history["loss"],
+                               rtol=1e-5)
+
+
+@keras.saving.register_keras_serializable(package="tests")
+class Subclassed(keras.Model):
+    def __init__(self, units=8, **kwargs):
+        super().__init__(**kwargs)
+        self.units = units
+        self.hidden = keras.layers.Dense(units, activation="relu")
+        self.out = keras.layers.Dense(3)
+
+    def call(self, x):
+        return self.out(self.hidden(x))
+
+    def get_config(self):
+        return {**super().get_config(), "units": self.units}
+
+
+class NoConfig(keras.Model):
+    def __init__(self, units):
+        super().__init__()
+        self.dense = keras.layers.Dense(units)
+
+    def call(self, x):
+        return self.dense(x)
+
+
+def test_subclassed_built_model_and_factory(cpus):
+    x, y, _ = data(18)
+    keras.utils.set_random_seed(5)
+    model = Subclassed()
+    model(x[:1])
+    reference = Subclassed()
+    reference(x[:1])
+    reference.set_weights(model.get_weights())
+    mirrored = keras_mirror.MirroredModel(model, devices=cpus)
+    for m in (reference, mirrored):
+        m.compile(optimizer="sgd", loss="mse")
+        m.fit(x, y, batch_size=7, epochs=1, shuffle=False, verbose=0)
+    assert max_diff(reference.get_weights(), mirrored.model.get_weights()) \
+        < 1e-5
+    factory = keras_mirror.MirroredModel(lambda: NoConfig(3), devices=cpus)
+    factory.compile(optimizer="sgd", loss="mse")
+    factory.fit(x, y, batch_size=7, verbose=0)
+    assert factory.model.built
+
+
+def test_unclonable_model_error_names_the_fix(cpus):
+    model = NoConfig(3)
+    model(np.zeros((1, 6), "float32"))
+    with pytest.raises(keras_mirror.errors.ModelRebuildError,
+                       match="zero-argument function .*Received: model="):
+        keras_mirror.MirroredModel(model, devices=cpus)
+
+
+def test_unbuilt_sequential_builds_on_first_uneven_batch(cpus):
+    x, y, _ = data(7)
+    keras.utils.set_random_seed(9)
+    model = keras.Sequential([keras.layers.Dense(4), keras.layers.Dense(3)])
+    mirrored = keras_mirror.MirroredModel(model, devices=cpus)
+    mirrored.compile(optimizer="sgd", loss="mse")
+    mirrored.fit(x, y, batch_size=3, epochs=1, verbose=0)
+    assert model.built
+    np.testing.assert_allclose(mirrored.model.predict(x, verbose=0),
+                               mirrored.predict(x, verbose=0), atol=1e-6)
+
+
+def test_num_replicas_devices_and_summary(cpus, capsys):
+    mirrored = keras_mirror.MirroredModel(mlp(), devices=["/cpu:1", "/cpu:3"])
+    assert mirrored.num_replicas == 2
+    assert mirrored.devices == (cpus[1], cpus[3])
+    mirrored.summary()
+    out = capsys.readouterr().out
+    assert "MirroredModel: 2 replica(s)" in out
+    assert "execution path" in out
+
+
+def test_steps_per_execution_is_exact(cpus):
+    x, y, _ = data(40)
+    reference = mlp()
+    reference.compile(optimizer="adam", loss="mse")
+    mirrored = keras_mirror.MirroredModel(mlp(), devices=cpus)
+    mirrored.compile(optimizer="adam", loss="mse", steps_per_execution=2)
+    reference.fit(x, y, batch_size=6, epochs=1, shuffle=False, verbose=0)
+    mirrored.fit(x, y, batch_size=6, epochs=1, shuffle=False, verbose=0)
+    assert max_diff(reference.get_weights(), mirrored.model.get_weights()) \
+        < 1e-5
