@@ -26,9 +26,9 @@ from keras_mirror import errors
 
 _JOBS = ("chief", "worker")
 _ADDRESS = re.compile(r"^(\[[0-9A-Fa-f:.]+\]|[A-Za-z0-9_.-]+):([0-9]{1,5})$")
-_EXAMPLE = (
-    '{"cluster": {"worker": ["host1:2222", "host2:2222"]}, '
-    '"task": {"type": "worker", "index": 0}}'
+_EXPECTED = (
+    'expected an object such as {"cluster": {"worker": ["host1:2222", '
+    '"host2:2222"]}, "task": {"type": "worker", "index": 0}}.'
 )
 
 
@@ -85,9 +85,9 @@ class ClusterSpec:
         return self.workers[self.task_index]
 
 
-def _fail(name, problem, path, value):
+def _fail(name, path, value, problem):
     raise errors.ClusterConfigError(
-        f"`{name}` {problem} Received: {name}{path}={value!r}"
+        f"`{name}{path}` {problem} Received: {name}{path}={value!r}"
     )
 
 
@@ -96,79 +96,105 @@ def _load(value, name):
         try:
             value = json.loads(value)
         except json.JSONDecodeError as e:
-            _fail(name, f"is not valid JSON ({e}). Expected e.g. {_EXAMPLE}.",
-                  "", value)
+            _fail(name, "", value, f"is not valid JSON ({e}); {_EXPECTED}")
     if not isinstance(value, dict):
-        _fail(name, "must be a JSON object (a dict) with the keys "
-              f'"cluster" and "task", e.g. {_EXAMPLE}.', "", value)
+        _fail(name, "", value, f"must be a JSON object; {_EXPECTED}")
     for key in ("cluster", "task"):
         if key not in value:
-            _fail(name, f'has no "{key}" key; it needs both "cluster" and '
-                  f'"task", e.g. {_EXAMPLE}.', "", value)
+            _fail(name, "", value, f'has no "{key}" key; {_EXPECTED}')
     return value
 
 
 def _check_address(address, name, path):
     match = _ADDRESS.match(address) if isinstance(address, str) else None
     if match is None or not 1 <= int(match.group(2)) <= 65535:
-        _fail(name, 'must give each address as "host:port", with a port '
-              "from 1 to 65535, e.g. \"10.0.0.1:2222\".", path, address)
+        _fail(
+            name,
+            path,
+            address,
+            'must be a "host:port" address with a port from 1 to 65535, '
+            'such as "10.0.0.1:2222".',
+        )
 
 
 def _jobs(cluster, name):
-    if not isinstance(cluster, dict):
-        _fail(name, '"cluster" must map job names to address lists, e.g. '
-              '{"worker": ["host1:2222", "host2:2222"]}.', "['cluster']",
-              cluster)
+    path = "['cluster']"
+    if not isinstance(cluster, dict) or not cluster:
+        _fail(
+            name,
+            path,
+            cluster,
+            'must map the job names "chief" and/or "worker" to lists '
+            'of addresses, such as {"worker": ["host1:2222", "host2:2222"]}.',
+        )
     unknown = sorted(set(cluster) - set(_JOBS))
     if unknown:
-        _fail(name, '"cluster" may only have the jobs "chief" and "worker" '
-              "of synchronous training; parameter servers and evaluators "
-              "are not supported.", "['cluster'] jobs", sorted(cluster))
-    if not cluster:
-        _fail(name, '"cluster" must have a "worker" or "chief" job.',
-              "['cluster']", cluster)
-    jobs = {}
-    for job in _JOBS:
-        if job not in cluster:
-            continue
-        path = f"['cluster']['{job}']"
-        addresses = cluster[job]
-        if not isinstance(addresses, list) or not addresses:
-            _fail(name, f'job "{job}" must be a non-empty list of '
-                  '"host:port" addresses.', path, addresses)
-        if job == "chief" and len(addresses) != 1:
-            _fail(name, 'job "chief" must have exactly one address.', path,
-                  addresses)
-        for i, address in enumerate(addresses):
-            _check_address(address, name, f"{path}[{i}]")
-        jobs[job] = tuple(addresses)
-    everything = [a for job in _JOBS for a in jobs.get(job, ())]
+        _fail(
+            name,
+            path,
+            cluster,
+            f"has the job(s) {unknown}; only the jobs of synchronous "
+            'training, "chief" and "worker", are supported.',
+        )
+    jobs = {job: _job(cluster, job, name) for job in _JOBS if job in cluster}
+    everything = [a for addresses in jobs.values() for a in addresses]
     duplicates = sorted({a for a in everything if everything.count(a) > 1})
     if duplicates:
-        _fail(name, "must give every task its own address; two tasks "
-              "cannot listen on the same host and port.", "['cluster'] "
-              "duplicate addresses", duplicates)
+        _fail(
+            name,
+            path,
+            cluster,
+            f"gives the address(es) {duplicates} to more than one task; "
+            "every task needs its own host:port.",
+        )
     return jobs
+
+
+def _job(cluster, job, name):
+    path = f"['cluster']['{job}']"
+    addresses = cluster[job]
+    if not isinstance(addresses, list) or not addresses:
+        _fail(
+            name,
+            path,
+            addresses,
+            'must be a non-empty list of "host:port" addresses.',
+        )
+    if job == "chief" and len(addresses) != 1:
+        _fail(name, path, addresses, "must have exactly one address.")
+    for i, address in enumerate(addresses):
+        _check_address(address, name, f"{path}[{i}]")
+    return tuple(addresses)
 
 
 def _task(task, jobs, name):
     if not isinstance(task, dict):
-        _fail(name, '"task" must be an object such as '
-              '{"type": "worker", "index": 0}.', "['task']", task)
+        _fail(
+            name,
+            "['task']",
+            task,
+            'must be an object such as {"type": "worker", "index": 0}.',
+        )
     task_type = task.get("type")
     if task_type not in jobs:
-        _fail(name, f'"task" type must name a job of "cluster", one of '
-              f"{sorted(jobs)}.", "['task']['type']", task_type)
+        _fail(
+            name,
+            "['task']['type']",
+            task_type,
+            f"must name a job of the cluster, one of {sorted(jobs)}.",
+        )
     index = task.get("index", 0)
     if isinstance(index, bool) or not isinstance(index, int):
-        _fail(name, '"task" index must be an integer.', "['task']['index']",
-              index)
+        _fail(name, "['task']['index']", index, "must be an integer.")
     size = len(jobs[task_type])
     if not 0 <= index < size:
-        _fail(name, f'"task" index must be in [0, {size}) for the job '
-              f'"{task_type}" of {size} address(es).', "['task']['index']",
-              index)
+        _fail(
+            name,
+            "['task']['index']",
+            index,
+            f'must be in [0, {size}): the job "{task_type}" has {size} '
+            "address(es).",
+        )
     return task_type, index
 
 

@@ -1,0 +1,287 @@
+"""Tests of `keras_mirror.launch` with real worker processes on 127.0.0.1.
+
+Every test is bounded by a pytest timeout, and the launcher's own
+start-up and run timeouts; `_no_leftover_processes` kills and reports any
+process a test leaves behind.
+"""
+
+import os
+import pathlib
+import re
+import signal
+import socket
+import subprocess
+import sys
+import time
+
+import psutil
+import pytest
+
+from keras_mirror import launch as launch_lib
+
+WORKERS = pathlib.Path(__file__).parent / "workers"
+TOY = [sys.executable, str(WORKERS / "toy_worker.py")]
+MWMS = [sys.executable, str(WORKERS / "mwms_worker.py")]
+REPO = pathlib.Path(__file__).parent.parent
+
+
+@pytest.fixture(autouse=True)
+def _no_leftover_processes():
+    yield
+    children = psutil.Process().children(recursive=True)
+    for child in children:
+        child.kill()
+    psutil.wait_procs(children, timeout=10)
+    assert not children, f"the test left processes behind: {children}"
+
+
+def _gone(pid):
+    try:
+        return psutil.Process(pid).status() == psutil.STATUS_ZOMBIE
+    except psutil.NoSuchProcess:
+        return True
+
+
+def _sleeper_pids(text):
+    return [int(p) for p in re.findall(r"sleeping pid=(\d+)", text)]
+
+
+@pytest.mark.timeout(60)
+def test_two_workers_print_prefixed_task_index(capsys):
+    code = launch_lib.launch(TOY + ["print"], 2, start_timeout=30)
+    out, err = capsys.readouterr()
+    assert code == 0
+    lines = sorted(line for line in out.splitlines() if "task index" in line)
+    assert [line[:23] for line in lines] == [
+        "[worker 0] task index 0",
+        "[worker 1] task index 1",
+    ]
+    clusters = {line.split(" of ")[1] for line in lines}
+    assert len(clusters) == 1
+    assert re.fullmatch(r"\['127.0.0.1:\d+', '127.0.0.1:\d+'\]", *clusters)
+    assert "[worker 0] hello from stderr 0" in err
+    assert "[worker 1] hello from stderr 1" in err
+
+
+@pytest.mark.timeout(60)
+def test_exit_code_propagates_and_others_are_stopped(capsys):
+    started = time.monotonic()
+    code = launch_lib.launch(TOY + ["fail", "1", "3"], 2, start_timeout=30)
+    elapsed = time.monotonic() - started
+    out, err = capsys.readouterr()
+    assert code == 3
+    assert elapsed < 10
+    assert "[launcher] worker 1 exited with code 3" in err
+    assert "SIGKILL" not in err  # the sleeper obeyed SIGTERM
+    (pid,) = _sleeper_pids(out)
+    assert _gone(pid)
+
+
+@pytest.mark.timeout(60)
+def test_worker_ignoring_sigterm_is_sigkilled(capsys):
+    code = launch_lib.launch(
+        TOY + ["stubborn", "1"], 2, start_timeout=30, grace_period=1
+    )
+    out, err = capsys.readouterr()
+    assert code == 1
+    assert "[launcher] worker(s) 0 still running 1 s after SIGTERM" in err
+    (pid,) = _sleeper_pids(out)
+    assert _gone(pid)
+
+
+@pytest.mark.timeout(60)
+def test_restart_after_failure_succeeds(capsys):
+    code = launch_lib.launch(
+        TOY + ["fail-first"], 2, max_restarts=1, start_timeout=30
+    )
+    out, err = capsys.readouterr()
+    assert code == 0
+    assert "[launcher] worker 1 exited with code 5" in err
+    assert "[launcher] restarting all workers (1 restart(s) left)." in err
+    assert "attempt 2 of 2" in err
+    assert "[worker 0] attempt 1" in out
+    assert "[worker 1] attempt 1" in out
+
+
+@pytest.mark.timeout(60)
+def test_no_restarts_left_returns_failing_code(capsys):
+    code = launch_lib.launch(TOY + ["fail-first"], 2, start_timeout=30)
+    _, err = capsys.readouterr()
+    assert code == 5
+    assert "restarting" not in err
+    assert "[launcher] giving up; exit code 5." in err
+
+
+@pytest.mark.timeout(60)
+def test_start_timeout_names_workers_not_ready(capsys):
+    started = time.monotonic()
+    code = launch_lib.launch(
+        TOY + ["ready-only", "0"], 2, start_timeout=2, grace_period=1
+    )
+    elapsed = time.monotonic() - started
+    _, err = capsys.readouterr()
+    assert code == launch_lib.START_TIMEOUT_EXIT_CODE == 125
+    assert "[launcher] worker(s) 1 not ready within the start-up timeout" in err
+    assert elapsed < 10
+
+
+@pytest.mark.timeout(60)
+def test_timeout_stops_the_run(capsys):
+    started = time.monotonic()
+    code = launch_lib.launch(
+        TOY + ["sleep"], 2, timeout=2, start_timeout=30, grace_period=1
+    )
+    elapsed = time.monotonic() - started
+    _, err = capsys.readouterr()
+    assert code == launch_lib.TIMEOUT_EXIT_CODE == 124
+    assert "[launcher] the run timed out" in err
+    assert elapsed < 10
+
+
+@pytest.mark.timeout(30)
+def test_missing_program_is_reported(capsys):
+    code = launch_lib.launch(["/nonexistent/keras-mirror-worker"], 2)
+    _, err = capsys.readouterr()
+    assert code == 127
+    assert "[launcher] cannot start worker 0" in err
+
+
+@pytest.mark.parametrize(
+    "kwargs, message",
+    [
+        ({"command": "python train.py"}, "Received: command='python train.py'"),
+        ({"command": []}, "Received: command=\\[\\]"),
+        ({"num_workers": 0}, "Received: num_workers=0"),
+        ({"num_workers": 1.5}, "Received: num_workers=1.5"),
+        ({"max_restarts": -1}, "Received: max_restarts=-1"),
+        ({"timeout": 0}, "Received: timeout=0"),
+        ({"start_timeout": -1}, "Received: start_timeout=-1"),
+        ({"grace_period": "5"}, "Received: grace_period='5'"),
+    ],
+)
+def test_invalid_arguments(kwargs, message):
+    args = {"command": TOY + ["print"], "num_workers": 2, **kwargs}
+    with pytest.raises(ValueError, match=message):
+        launch_lib.launch(**args)
+
+
+@pytest.mark.timeout(60)
+def test_cli_runs_script_after_double_dash(capsys):
+    code = launch_lib.main(["-n", "2", "--"] + TOY + ["print"])
+    out, _ = capsys.readouterr()
+    assert code == 0
+    assert "[worker 1] task index 1" in out
+
+
+@pytest.mark.timeout(60)
+def test_cli_runs_py_file_with_current_python(capsys):
+    code = launch_lib.main(
+        ["-n", "1", "--start-timeout", "0"] + TOY[1:] + ["print"]
+    )
+    out, _ = capsys.readouterr()
+    assert code == 0
+    assert "[worker 0] task index 0" in out
+
+
+@pytest.mark.parametrize(
+    "argv, message",
+    [
+        (["-n", "2"], "a worker command is required"),
+        (["-n", "0", "--", "python"], "Received: num_workers=0"),
+        (["--", "python"], "the following arguments are required: -n"),
+    ],
+)
+def test_cli_usage_errors(argv, message, capsys):
+    with pytest.raises(SystemExit) as info:
+        launch_lib.main(argv)
+    assert info.value.code == 2
+    err = capsys.readouterr().err
+    assert message in err
+    assert "usage: keras-mirror launch" in err
+
+
+def test_mark_ready_writes_the_ready_file(tmp_path, monkeypatch):
+    path = tmp_path / "worker-0.ready"
+    monkeypatch.setenv(launch_lib.READY_FILE_ENV, str(path))
+    assert launch_lib.mark_ready() is True
+    assert path.read_text() == f"{os.getpid()}\n"
+    assert launch_lib.mark_ready() is True
+    assert [p.name for p in tmp_path.iterdir()] == ["worker-0.ready"]
+
+
+def test_mark_ready_outside_the_launcher_does_nothing(monkeypatch):
+    monkeypatch.delenv(launch_lib.READY_FILE_ENV, raising=False)
+    assert launch_lib.mark_ready() is False
+
+
+@pytest.mark.timeout(90)
+def test_sigterm_to_launcher_stops_its_workers(tmp_path):
+    log = tmp_path / "out.txt"
+    command = [sys.executable, "-m", "keras_mirror.cli", "launch", "-n", "2"]
+    command += ["--start-timeout", "0", "--"] + TOY + ["sleep"]
+    with open(log, "wb") as out:
+        launcher = subprocess.Popen(
+            command, stdout=out, stderr=subprocess.STDOUT, cwd=REPO
+        )
+    try:
+        deadline = time.monotonic() + 60
+        while len(_sleeper_pids(log.read_text())) < 2:
+            assert time.monotonic() < deadline, log.read_text()
+            assert launcher.poll() is None, log.read_text()
+            time.sleep(0.1)
+        launcher.send_signal(signal.SIGTERM)
+        assert launcher.wait(timeout=20) == 128 + signal.SIGTERM
+        assert all(_gone(pid) for pid in _sleeper_pids(log.read_text()))
+        assert "stopped by signal 15" in log.read_text()
+    finally:
+        if launcher.poll() is None:
+            launcher.kill()
+            launcher.wait(10)
+        for pid in _sleeper_pids(log.read_text()):
+            if not _gone(pid):
+                os.kill(pid, signal.SIGKILL)
+
+
+@pytest.mark.timeout(90)
+def test_real_multi_worker_strategy_marks_ready_and_all_reduces(capsys):
+    code = launch_lib.launch(MWMS, 2, timeout=75, start_timeout=60)
+    out, err = capsys.readouterr()
+    assert code == 0, err[-3000:]
+    assert "[launcher] all 2 worker(s) ready after" in err
+    assert "[worker 0] all-reduce sum=2" in out
+    assert "[worker 1] all-reduce sum=2" in out
+
+
+@pytest.mark.timeout(90)
+def test_missing_peer_fails_within_start_timeout(capsys):
+    # Only task 0 of a 2-worker cluster is started; no one listens on the
+    # port of task 1, so building the strategy waits for it forever.
+    addresses = [f"127.0.0.1:{p}" for p in launch_lib._free_ports(2)]
+    started = time.monotonic()
+    code, may_restart = launch_lib._run_attempt(
+        MWMS, addresses, [0], attempt=0, start_timeout=15, grace_period=1
+    )
+    elapsed = time.monotonic() - started
+    _, err = capsys.readouterr()
+    assert (code, may_restart) == (launch_lib.START_TIMEOUT_EXIT_CODE, True)
+    assert "[launcher] worker(s) 0 not ready within the start-up timeout" in err
+    assert elapsed < 30
+
+
+@pytest.mark.timeout(90)
+def test_busy_port_is_reported(capsys, monkeypatch):
+    with socket.socket() as busy:
+        busy.bind(("127.0.0.1", 0))
+        busy.listen()
+        port = busy.getsockname()[1]
+        free = launch_lib._free_ports(1)
+        monkeypatch.setattr(launch_lib, "_free_ports", lambda n: [port] + free)
+        code = launch_lib.launch(
+            MWMS, 2, timeout=75, start_timeout=60, grace_period=1
+        )
+    _, err = capsys.readouterr()
+    assert code == 1, err[-3000:]
+    assert (
+        f"[launcher] worker 0 exited with code 1; its address "
+        f"127.0.0.1:{port} is in use by another process"
+    ) in err
