@@ -1,0 +1,244 @@
+"""Machine description, summary and reports of `bench_step.py`.
+
+Kept apart from `bench_step.py`, which plans and runs the trials, so that
+each file stays small. It never imports TensorFlow itself.
+"""
+
+import datetime
+import json
+import os
+import platform
+import statistics
+import subprocess
+
+_HERE = os.path.dirname(os.path.abspath(__file__))
+_ROOT = os.path.dirname(_HERE)
+_RESULTS = os.path.join(_HERE, "results")
+_MODELS = ("mlp", "convnet")  # display order
+
+
+def describe_machine(tf, keras, gpus):
+    """The machine and software versions, as a JSON-ready dict."""
+    import numpy
+    import psutil
+
+    gpu_names = []
+    for gpu in gpus:
+        try:
+            details = tf.config.experimental.get_device_details(gpu)
+            gpu_names.append(details.get("device_name", gpu.name))
+        except Exception:
+            gpu_names.append(gpu.name)
+    freq = psutil.cpu_freq()
+    return {
+        "hostname": platform.node(),
+        "platform": platform.platform(),
+        "cpu_model": cpu_model(),
+        "physical_cores": psutil.cpu_count(logical=False),
+        "logical_cores": psutil.cpu_count(logical=True),
+        "cpu_mhz": round(freq.current) if freq else None,
+        "memory_gb": round(psutil.virtual_memory().total / 2**30, 1),
+        "gpus": gpu_names,
+        "python": platform.python_version(),
+        "tensorflow": tf.__version__,
+        "keras": keras.__version__,
+        "numpy": numpy.__version__,
+        "keras_mirror": keras_mirror_version(),
+        "git_commit": git_commit(),
+    }
+
+
+def keras_mirror_version():
+    """Reads `version.py` as text: works while the package is mid-edit."""
+    namespace = {}
+    try:
+        with open(os.path.join(_ROOT, "keras_mirror", "version.py")) as f:
+            exec(f.read(), namespace)
+    except Exception:
+        return None
+    return namespace.get("__version__")
+
+
+def cpu_model():
+    try:
+        with open("/proc/cpuinfo") as f:
+            for line in f:
+                if line.startswith("model name"):
+                    return line.split(":", 1)[1].strip()
+    except OSError:
+        pass
+    return platform.processor() or platform.machine()
+
+
+def git_commit():
+    try:
+        out = subprocess.run(
+            ["git", "describe", "--always", "--dirty"], cwd=_ROOT,
+            capture_output=True, text=True, timeout=10,
+        )
+        return out.stdout.strip() or None
+    except (OSError, subprocess.SubprocessError):
+        return None
+
+def key(cfg):
+    """The name of a trial configuration, e.g. `mlp/native/N=2`."""
+    return f"{cfg['model']}/{cfg['variant']}/N={cfg['replicas']}"
+
+
+def summarise(configs, trials):
+    rows = []
+    for cfg in configs:
+        runs = trials[key(cfg)]
+        ok = [t for t in runs if t["ok"]]
+        row = {k: cfg[k] for k in ("model", "variant", "replicas")}
+        row.update(trials_ok=len(ok), trials_failed=len(runs) - len(ok))
+        if ok:
+            medians = [t["median_step_ms"] for t in ok]
+            row.update(
+                median_step_ms=statistics.median(medians),
+                min_trial_step_ms=min(medians),
+                max_trial_step_ms=max(medians),
+                first_step_s=statistics.median(t["first_step_s"] for t in ok),
+                setup_s=statistics.median(t["setup_s"] for t in ok),
+                peak_rss_mb=statistics.median(t["peak_rss_mb"] for t in ok),
+                rss_after_import_mb=statistics.median(
+                    t["rss_after_import_mb"] for t in ok
+                ),
+                params=ok[0]["params"],
+            )
+        else:
+            row["error"] = runs[-1]["error"] if runs else "not run"
+        rows.append(row)
+    return rows
+
+
+def ratios(rows):
+    """MirroredModel / native and / single-device, and native / single."""
+    ms = {
+        (r["model"], r["variant"], r["replicas"]): r.get("median_step_ms")
+        for r in rows
+    }
+    pairs = sorted(
+        {(r["model"], r["replicas"]) for r in rows if r["variant"] != "single"},
+        key=lambda p: (_MODELS.index(p[0]), p[1]),
+    )
+    out = []
+    for m, n in pairs:
+        mirrored = ms.get((m, "mirrored", n))
+        native = ms.get((m, "native", n))
+        single = ms.get((m, "single", 1))
+        out.append({
+            "model": m,
+            "replicas": n,
+            "mirrored_over_native": _div(mirrored, native),
+            "mirrored_over_single": _div(mirrored, single),
+            "native_over_single": _div(native, single),
+        })
+    return out
+
+
+def _div(a, b):
+    return a / b if a and b else None
+
+
+def _fmt(value, spec):
+    return "-" if value is None else format(value, spec)
+
+
+def markdown(report):
+    """Renders the report as Markdown: set-up, results, ratios, notes."""
+    lines = _md_header(report) + _md_results(report) + _md_ratios(report)
+    if report["notes"]:
+        lines += ["", "Notes:", ""] + [f"- {n}" for n in report["notes"]]
+    return "\n".join(lines) + "\n"
+
+
+def _md_header(report):
+    m, s = report["machine"], report["settings"]
+    cpus = (f" ({s['num_cpus']} logical CPUs per process)"
+            if any("cpu" in d.lower() for d in s["devices"]) else "")
+    return [
+        "# bench_step results",
+        "",
+        f"- Date: {report['date']}",
+        f"- Command: `{report['command']}`",
+        f"- Machine: {m['cpu_model']}, {m['physical_cores']} physical / "
+        f"{m['logical_cores']} logical cores, {m['memory_gb']} GB; "
+        f"GPUs: {', '.join(m['gpus']) or 'none'}; {m['platform']}",
+        f"- Versions: Python {m['python']}, TensorFlow {m['tensorflow']}, "
+        f"Keras {m['keras']}, NumPy {m['numpy']}, keras-mirror "
+        f"{m['keras_mirror']} ({m['git_commit']})",
+        f"- Devices: {', '.join(s['devices'])}{cpus}; native all-reduce: "
+        f"{s['native_all_reduce']}",
+        f"- Global batch {s['batch_size']}, {s['steps']} timed steps after "
+        f"{s['warmup']} warm-up step(s), {s['repeats']} interleaved "
+        f"trial(s) per config, one fresh process per trial; "
+        f"load average before/after: {report['loadavg_before']} / "
+        f"{report['loadavg_after']}",
+    ]
+
+
+def _md_results(report):
+    lines = [
+        "",
+        "| model | variant | N | ms/step (median) | trial range | "
+        "first step s | setup s | peak RSS MiB |",
+        "|---|---|---:|---:|---:|---:|---:|---:|",
+    ]
+    for r in report["results"]:
+        head = f"| {r['model']} | {r['variant']} | {r['replicas']} |"
+        if "median_step_ms" not in r:
+            lines.append(f"{head} failed: {r['error'][:60]} | | | | |")
+            continue
+        lines.append(
+            f"{head} {r['median_step_ms']:.2f} | "
+            f"{r['min_trial_step_ms']:.2f}-{r['max_trial_step_ms']:.2f} | "
+            f"{r['first_step_s']:.2f} | {r['setup_s']:.2f} | "
+            f"{r['peak_rss_mb']:.0f} |"
+        )
+    return lines
+
+
+def _md_ratios(report):
+    lines = [
+        "",
+        "| model | N | MirroredModel / native | MirroredModel / single | "
+        "native / single |",
+        "|---|---:|---:|---:|---:|",
+    ]
+    for q in report["ratios"]:
+        lines.append(
+            f"| {q['model']} | {q['replicas']} | "
+            f"{_fmt(q['mirrored_over_native'], '.2f')} | "
+            f"{_fmt(q['mirrored_over_single'], '.2f')} | "
+            f"{_fmt(q['native_over_single'], '.2f')} |"
+        )
+    if not report["ratios"]:
+        lines.append("| - | - | - | - | - |")
+    return lines
+
+
+def default_out():
+    stamp = datetime.datetime.now().strftime("%Y%m%d-%H%M%S")
+    host = platform.node().split(".")[0] or "host"
+    return os.path.join(_RESULTS, f"bench_step-{host}-{stamp}")
+
+
+def write(report, out):
+    """Prints the Markdown report and writes `out`.json and `out`.md."""
+    text = markdown(report)
+    print()
+    print(text)
+    os.makedirs(os.path.dirname(os.path.abspath(out)), exist_ok=True)
+    with open(out + ".json", "w") as f:
+        json.dump(report, f, indent=1)
+    with open(out + ".md", "w") as f:
+        f.write(text)
+    print(f"Wrote {out}.json and {out}.md")
+
+
+def loadavg():
+    try:
+        return [round(v, 2) for v in os.getloadavg()]
+    except OSError:
+        return None
