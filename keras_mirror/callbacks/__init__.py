@@ -1,0 +1,5 @@
+"""Callbacks for `MirroredModel.fit`."""
+
+from keras_mirror.callbacks.replica_tensorboard import (
+    ReplicaTensorBoard as ReplicaTensorBoard,
+)
