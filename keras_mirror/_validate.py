@@ -84,13 +84,8 @@ def _check_dataset(x, steps_per_epoch, batch_mode, num_replicas):
         )
     if card < 0:
         return
-    if batch_mode == "per_replica" and card % num_replicas:
-        raise ValueError(
-            "`batch='per_replica'` needs the number of batches of `x` to be "
-            f"a multiple of the replica count ({num_replicas}): one step "
-            f"takes {num_replicas} batches and the last group would be "
-            f"short. Received: x with {card} batches"
-        )
+    if batch_mode == "per_replica":
+        _check_groups(card, num_replicas)
     steps = -(-card // num_replicas) if batch_mode == "per_replica" else card
     if steps_per_epoch is not None and steps_per_epoch > steps:
         raise ValueError(
@@ -98,6 +93,16 @@ def _check_dataset(x, steps_per_epoch, batch_mode, num_replicas):
             "the finite dataset `x` provides (repeat it with "
             "`dataset.repeat()` for more). "
             f"Received: steps_per_epoch={steps_per_epoch!r}"
+        )
+
+
+def _check_groups(batches, num_replicas):
+    if batches % num_replicas:
+        raise ValueError(
+            "`batch='per_replica'` needs the number of batches of `x` to be "
+            f"a multiple of the replica count ({num_replicas}): one step "
+            f"takes {num_replicas} batches and the last group would be "
+            f"short. Received: x with {batches} batches"
         )
 
 
@@ -200,6 +205,9 @@ def check_fit_inputs(mirrored, x, y, batch_size, steps_per_epoch,
     if isinstance(x, tf.data.Dataset):
         _check_dataset(x, steps_per_epoch, mirrored.batch_mode,
                        mirrored.num_replicas)
+    elif isinstance(x, keras.utils.PyDataset):
+        if mirrored.batch_mode == "per_replica" and x.num_batches:
+            _check_groups(x.num_batches, mirrored.num_replicas)
     else:
         _check_lengths(x, y, sample_weight)
     _check_targets(mirrored, x, y)

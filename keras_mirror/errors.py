@@ -28,3 +28,7 @@ class NonFiniteError(KerasMirrorError, FloatingPointError):
 
 class ClusterConfigError(KerasMirrorError, ValueError):
     """`TF_CONFIG` or the `cluster` argument is malformed."""
+
+
+class UnsafeModelError(KerasMirrorError, ValueError):
+    """A model file that could run code when loaded, or is not `.keras`."""

@@ -1,0 +1,168 @@
+"""Loading saved models safely: `.keras` files only, always in safe mode.
+
+A full-model file is code as much as data: a legacy `.h5` model or a
+`.keras` archive whose `config.json` names a Python function can run that
+function when it loads. `load_model` loads only `.keras` zip archives from
+the local disk, refuses any object whose config points outside Keras (unless
+it is a registered custom object), and calls Keras's loader with
+`safe_mode=True`, which refuses `Lambda` bytecode. It never turns safe mode
+off process-wide (`keras.config.enable_unsafe_deserialization`).
+"""
+
+import json
+import os
+import zipfile
+
+import keras
+
+from keras_mirror import _compat
+from keras_mirror import errors
+
+# Packages whose objects Keras itself resolves by module in safe mode.
+_TRUSTED_PACKAGES = ("keras", "keras_hub", "keras_cv", "keras_nlp")
+_CONFIG = "config.json"
+
+
+def _check_path(filepath):
+    path = filepath
+    if isinstance(filepath, os.PathLike):
+        path = os.fspath(filepath)
+    if not isinstance(path, str) or not path.endswith(".keras"):
+        raise errors.UnsafeModelError(
+            "`filepath` must be a `.keras` file: legacy `.h5` full models "
+            "and SavedModel directories can carry code, and keras-mirror "
+            "loads neither (use `load_weights` for `.weights.h5`). "
+            f"Received: filepath={filepath!r}"
+        )
+    if not os.path.isfile(path):
+        raise FileNotFoundError(
+            "`filepath` must name an existing local `.keras` file. "
+            f"Received: filepath={filepath!r}"
+        )
+    if not zipfile.is_zipfile(path):
+        raise errors.UnsafeModelError(
+            "`filepath` must be a `.keras` zip archive. "
+            f"Received: filepath={filepath!r}, which is not a zip file"
+        )
+    return path
+
+
+def _read_config(path):
+    with zipfile.ZipFile(path) as archive:
+        if _CONFIG not in archive.namelist():
+            raise errors.UnsafeModelError(
+                f"`filepath` must be a `.keras` archive with a `{_CONFIG}`. "
+                f"Received: filepath={path!r}"
+            )
+        try:
+            return json.loads(archive.read(_CONFIG))
+        except ValueError as e:
+            raise errors.UnsafeModelError(
+                f"`filepath` holds a `{_CONFIG}` that is not valid JSON "
+                f"({e}). Received: filepath={path!r}"
+            ) from None
+
+
+def _is_registered(entry, custom_objects):
+    names = {entry.get("registered_name"), entry.get("class_name")}
+    known = set(custom_objects or {}) | set(keras.saving.get_custom_objects())
+    return bool(names & known)
+
+
+def _objects(config):
+    """Every dict in the config tree (depth first)."""
+    stack = [config]
+    while stack:
+        node = stack.pop()
+        if isinstance(node, dict):
+            yield node
+            stack.extend(node.values())
+        elif isinstance(node, list):
+            stack.extend(node)
+
+
+def _unsafe_entry(entry, custom_objects):
+    """Why `entry` could run code on load, or None."""
+    if entry.get("class_name") == "__lambda__" or \
+            entry.get("function_type") == "lambda":
+        return "a Python lambda (bytecode)"
+    module = entry.get("module")
+    if not isinstance(module, str) or "class_name" not in entry:
+        return None
+    if module == "builtins" or module.split(".")[0] in _TRUSTED_PACKAGES:
+        return None
+    if _is_registered(entry, custom_objects):
+        return None
+    return (f"the object {entry.get('class_name')!r} of module {module!r}, "
+            "which is neither part of Keras nor a registered custom object")
+
+
+def check_config(config, filepath, custom_objects=None):
+    """Raises `UnsafeModelError` if `config` names code outside Keras."""
+    for entry in _objects(config):
+        reason = _unsafe_entry(entry, custom_objects)
+        if reason:
+            raise errors.UnsafeModelError(
+                f"`filepath` holds a model whose config names {reason}; "
+                "loading it could run arbitrary code, so keras-mirror "
+                "refuses it. Register trusted custom objects with "
+                "`keras.saving.register_keras_serializable` or pass them "
+                f"in `custom_objects`. Received: filepath={filepath!r}"
+            )
+
+
+def load_model(filepath, devices=None, custom_objects=None, compile=True,
+               **mirrored_kwargs):
+    """Loads a `.keras` model in safe mode, optionally as a `MirroredModel`.
+
+    Only local `.keras` zip archives load. Their `config.json` is checked
+    first: an object from outside Keras that is not a registered custom
+    object (e.g. `{"module": "os", "class_name": "system"}`) or a `Lambda`
+    with Python bytecode is refused before Keras sees the file. Keras then
+    loads it with `safe_mode=True`. The process-wide safe-mode setting is
+    left as it was.
+
+    Args:
+        filepath: str or path-like. A `.keras` file.
+        devices: list of str, or None. When given, the loaded model is
+            wrapped in a `MirroredModel` over these devices; default None
+            (return the plain Keras model).
+        custom_objects: dict or None. Trusted custom classes and functions
+            by name, as in `keras.saving.load_model`.
+        compile: bool. Restore the compile configuration; default True.
+        **mirrored_kwargs: further `MirroredModel` arguments (`batch`,
+            `on_nonfinite`, ...), used only with `devices`.
+
+    Returns:
+        A `keras.Model`, or a `MirroredModel` when `devices` is given.
+
+    Raises:
+        UnsafeModelError: the file is not a `.keras` zip archive, or its
+            config names code outside Keras.
+        FileNotFoundError: no such local file.
+
+    Example:
+
+    ```python
+    import keras_mirror
+
+    model = keras_mirror.load_model("model.keras")
+    mirrored = keras_mirror.load_model("model.keras", devices=["/cpu:0"])
+    ```
+    """
+    _compat.check_keras_version()
+    if devices is None and mirrored_kwargs:
+        raise ValueError(
+            "`MirroredModel` arguments need `devices`. "
+            f"Received: devices=None, {sorted(mirrored_kwargs)}"
+        )
+    path = _check_path(filepath)
+    check_config(_read_config(path), filepath, custom_objects)
+    model = keras.saving.load_model(
+        path, custom_objects=custom_objects, compile=compile, safe_mode=True
+    )
+    if devices is None:
+        return model
+    from keras_mirror.mirrored_model import MirroredModel
+
+    return MirroredModel(model, devices=devices, **mirrored_kwargs)

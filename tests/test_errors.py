@@ -1,0 +1,335 @@
+"""Bad inputs and configurations, each answered by a clear Keras-style error.
+
+`CASES` is the table behind `docs/errors.md`: the argument, the bad value,
+a function that makes the mistake, the exception class and a pattern that
+the message must match (the argument in backticks and `Received:` with the
+value). Keep the two in step: `test_docs_table_lists_every_case` checks
+that the doc has a row per case.
+"""
+
+import dataclasses
+import os
+import re
+from typing import Callable
+
+import keras
+import numpy as np
+import pytest
+import tensorflow as tf
+
+import keras_mirror
+from keras_mirror import cluster
+from keras_mirror import errors
+from keras_mirror import saving
+
+ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+X = np.ones((8, 3), "float32")
+Y = np.ones((8, 1), "float32")
+
+
+def _seq():
+    return keras.Sequential([keras.Input((3,)), keras.layers.Dense(1)])
+
+
+def _mirrored(cpus, model=None, loss="mse", **kwargs):
+    mirrored = keras_mirror.MirroredModel(model or _seq(), devices=cpus,
+                                          **kwargs)
+    mirrored.compile(optimizer="sgd", loss=loss)
+    return mirrored
+
+
+def _fit(cpus, *args, mirrored_kwargs=None, **kwargs):
+    mirrored = _mirrored(cpus, **(mirrored_kwargs or {}))
+    mirrored.fit(*args, verbose=0, **kwargs)
+
+
+def _ds(*parts, batch=2):
+    return tf.data.Dataset.from_tensor_slices(parts).batch(batch)
+
+
+def _dict_model():
+    a = keras.Input((2,), name="a")
+    b = keras.Input((3,), name="b")
+    out = keras.layers.Dense(1)(keras.layers.Concatenate()([a, b]))
+    return keras.Model({"a": a, "b": b}, out)
+
+
+class _Batches(keras.utils.PyDataset):
+    def __len__(self):
+        return 7
+
+    def __getitem__(self, i):
+        return X[:2], Y[:2]
+
+
+def _scalar_mse(y_true, y_pred):
+    return tf.reduce_mean(tf.square(y_true - y_pred))
+
+
+def _tf_config(text):
+    return lambda cpus: cluster.cluster_from_env({"TF_CONFIG": text})
+
+
+@dataclasses.dataclass
+class Case:
+    argument: str
+    value: str
+    make: Callable
+    error: type
+    match: str
+
+
+CASES = {
+    "model_type": Case(
+        "model", "42 (not a keras.Model)",
+        lambda cpus: keras_mirror.MirroredModel(42, devices=cpus),
+        TypeError, r"`model` must be a `keras.Model`.*Received: model=42"),
+    "devices_empty": Case(
+        "devices", "[]",
+        lambda cpus: keras_mirror.MirroredModel(_seq(), devices=[]),
+        errors.DeviceError,
+        r"`devices` must name at least one device\. Received: devices=\[\]"),
+    "devices_duplicate": Case(
+        "devices", "['/cpu:0', '/cpu:0']",
+        lambda cpus: keras_mirror.MirroredModel(
+            _seq(), devices=["/cpu:0", "/cpu:0"]),
+        errors.DeviceError,
+        r"`devices` must not name a device twice\. Received: devices="),
+    "devices_unknown": Case(
+        "devices", "['/gpu:7']",
+        lambda cpus: keras_mirror.MirroredModel(_seq(), devices=["/gpu:7"]),
+        errors.DeviceError,
+        r"`devices` names an unknown device.*Received: devices=\['/gpu:7'\]"),
+    "devices_string": Case(
+        "devices", "'/cpu:0' (a string, not a list)",
+        lambda cpus: keras_mirror.MirroredModel(_seq(), devices="/cpu:0"),
+        errors.DeviceError,
+        r"`devices` must be a list.*Received: devices='/cpu:0'"),
+    "devices_no_index": Case(
+        "devices", "['/cpu']",
+        lambda cpus: keras_mirror.MirroredModel(_seq(), devices=["/cpu"]),
+        errors.DeviceError,
+        r"`devices` must name one device.*Received: devices entry '/cpu'"),
+    "logical_cpus_late": Case(
+        "n", "2, after TensorFlow initialised 4 logical CPUs",
+        lambda cpus: keras_mirror.logical_cpus(2),
+        errors.DevicesAlreadyInitializedError,
+        r"`logical_cpus\(n\)` must run before.*Received: n=2"),
+    "logical_cpus_zero": Case(
+        "n", "0",
+        lambda cpus: keras_mirror.logical_cpus(0),
+        ValueError, r"`n` must be a positive integer\. Received: n=0"),
+    "batch_mode": Case(
+        "batch", "'local'",
+        lambda cpus: keras_mirror.MirroredModel(_seq(), cpus, batch="local"),
+        ValueError, r"`batch` must be one of .*Received: batch='local'"),
+    "on_nonfinite": Case(
+        "on_nonfinite", "'ignore'",
+        lambda cpus: keras_mirror.MirroredModel(
+            _seq(), cpus, on_nonfinite="ignore"),
+        ValueError,
+        r"`on_nonfinite` must be one of .*Received: on_nonfinite='ignore'"),
+    "gradient_dtype": Case(
+        "gradient_dtype", "'int8'",
+        lambda cpus: keras_mirror.MirroredModel(
+            _seq(), cpus, gradient_dtype="int8"),
+        ValueError,
+        r"`gradient_dtype` must be one of.*Received: gradient_dtype='int8'"),
+    "bytes_per_pack": Case(
+        "bytes_per_pack", "-1",
+        lambda cpus: keras_mirror.MirroredModel(
+            _seq(), cpus, bytes_per_pack=-1),
+        ValueError,
+        r"`bytes_per_pack` must be a non-negative integer\. "
+        r"Received: bytes_per_pack=-1"),
+    "communication": Case(
+        "communication", "'mpi'",
+        lambda cpus: keras_mirror.MirroredModel(
+            _seq(), cpus, communication="mpi"),
+        ValueError,
+        r"`communication` must be one of .*Received: communication='mpi'"),
+    "timeout_seconds": Case(
+        "timeout_seconds", "0",
+        lambda cpus: keras_mirror.MirroredModel(
+            _seq(), cpus, timeout_seconds=0),
+        ValueError,
+        r"`timeout_seconds` must be positive.*Received: timeout_seconds=0"),
+    "fit_before_compile": Case(
+        "compiled", "False (fit before compile)",
+        lambda cpus: keras_mirror.MirroredModel(_seq(), cpus).fit(X, Y),
+        ValueError,
+        r"`MirroredModel.fit` needs a compiled model.*"
+        r"Received: compiled=False"),
+    "jit_compile": Case(
+        "jit_compile", "True",
+        lambda cpus: keras_mirror.MirroredModel(_seq(), cpus).compile(
+            loss="mse", jit_compile=True),
+        ValueError, r"`jit_compile=True` is not supported.*"
+        r"Received: jit_compile=True"),
+    "loss_reduction": Case(
+        "loss", "MeanSquaredError(reduction='sum')",
+        lambda cpus: _mirrored(
+            cpus, loss=keras.losses.MeanSquaredError(reduction="sum")),
+        ValueError, r"Received: loss=.*reduction='sum'"),
+    "loss_not_per_example": Case(
+        "loss", "a function returning a scalar (already reduced)",
+        lambda cpus: _mirrored(cpus, loss=_scalar_mse).fit(
+            X, Y, verbose=0),
+        ValueError, r"`loss` must return one value per example.*"
+        r"Received: loss=_scalar_mse returning shape \(\)"),
+    "y_length": Case(
+        "y", "7 rows for 8 rows of x",
+        lambda cpus: _fit(cpus, X, Y[:7]),
+        ValueError, r"`y` must have as many rows as `x` \(8\)\. "
+        r"Received: y with 7 rows"),
+    "sample_weight_length": Case(
+        "sample_weight", "5 rows for 8 rows of x",
+        lambda cpus: _fit(cpus, X, Y, sample_weight=np.ones(5)),
+        ValueError, r"`sample_weight` must have as many rows as `x`.*"
+        r"Received: sample_weight with 5 rows"),
+    "x_no_rows": Case(
+        "x", "arrays of 0 rows",
+        lambda cpus: _fit(cpus, X[:0], Y[:0]),
+        ValueError, r"`x` must hold at least one example\. "
+        r"Received: x with shape \(0, 3\)"),
+    "dataset_empty": Case(
+        "x", "a dataset that yields nothing",
+        lambda cpus: _fit(cpus, _ds(X, Y).take(0)),
+        ValueError, r"`x` must yield at least one batch.*Received: x="),
+    "dataset_empty_unknown_cardinality": Case(
+        "x", "a filtered dataset that yields nothing",
+        lambda cpus: _fit(cpus, _ds(X, Y).filter(lambda a, b: False)),
+        ValueError, r"`x` must yield at least one batch.*Received: x="),
+    "targets_missing": Case(
+        "y", "None with a compiled loss",
+        lambda cpus: _fit(cpus, X),
+        ValueError, r"`y` must be given.*Received: y=None"),
+    "dataset_targets_missing": Case(
+        "x", "a dataset of inputs only, with a compiled loss",
+        lambda cpus: _fit(cpus, _ds(X)),
+        ValueError, r"`x` must yield `\(inputs, targets\)`.*"
+        r"Received: x with element_spec="),
+    "input_shape": Case(
+        "x", "shape (8, 5) for an input of shape (None, 3)",
+        lambda cpus: _fit(cpus, np.ones((8, 5), "float32"), Y),
+        ValueError, r"`x` must have the shape \(None, 3\).*"
+        r"Received: x.shape=\(8, 5\)"),
+    "dataset_input_shape": Case(
+        "x", "a dataset of shape (None, 4) for an input of shape (None, 3)",
+        lambda cpus: _fit(cpus, _ds(np.ones((8, 4), "float32"), Y)),
+        ValueError, r"`x` must have the shape \(None, 3\).*"
+        r"Received: x.shape=\(None, 4\)"),
+    "dict_missing_key": Case(
+        "x", "{'a': ...} for inputs 'a' and 'b'",
+        lambda cpus: _mirrored(cpus, _dict_model()).fit(
+            {"a": np.ones((8, 2))}, Y, verbose=0),
+        ValueError, r"`x` must have the keys \['a', 'b'\].*"
+        r"\['b'\] missing\. Received: x with keys \['a'\]"),
+    "steps_per_epoch_beyond": Case(
+        "steps_per_epoch", "10 for a dataset of 4 batches",
+        lambda cpus: _fit(cpus, _ds(X, Y), steps_per_epoch=10),
+        ValueError, r"`steps_per_epoch` must be at most the 4 step\(s\).*"
+        r"Received: steps_per_epoch=10"),
+    "steps_per_epoch_zero": Case(
+        "steps_per_epoch", "0",
+        lambda cpus: _fit(cpus, X, Y, steps_per_epoch=0),
+        ValueError, r"`steps_per_epoch` must be a positive integer.*"
+        r"Received: steps_per_epoch=0"),
+    "batch_size_zero": Case(
+        "batch_size", "0",
+        lambda cpus: _fit(cpus, X, Y, batch_size=0),
+        ValueError, r"`batch_size` must be a positive integer.*"
+        r"Received: batch_size=0"),
+    "per_replica_ragged_dataset": Case(
+        "x", "7 batches with batch='per_replica' on 4 replicas",
+        lambda cpus: _fit(cpus, _ds(X, Y, batch=1).take(7),
+                          mirrored_kwargs={"batch": "per_replica"}),
+        ValueError, r"`batch='per_replica'` needs the number of batches.*"
+        r"Received: x with 7 batches"),
+    "per_replica_ragged_pydataset": Case(
+        "x", "a PyDataset of 7 batches with batch='per_replica'",
+        lambda cpus: _fit(cpus, _Batches(),
+                          mirrored_kwargs={"batch": "per_replica"}),
+        ValueError, r"`batch='per_replica'` needs the number of batches.*"
+        r"Received: x with 7 batches"),
+    "no_trainable_weights": Case(
+        "model", "a model without trainable weights",
+        lambda cpus: _mirrored(cpus, keras.Sequential(
+            [keras.Input((3,)), keras.layers.Activation("relu")])).fit(
+                X, np.ones((8, 3)), verbose=0),
+        ValueError, r"`model` must have trainable weights for `fit`.*"
+        r"Received: model='.*' with 0 trainable weights"),
+    "split_plan": Case(
+        "batch_size", "-1",
+        lambda cpus: keras_mirror.MirroredModel(_seq(), cpus).split_plan(-1),
+        ValueError, r"`batch_size` must be a non-negative integer\. "
+        r"Received: batch_size=-1"),
+    "save_h5": Case(
+        "filepath", "'model.h5'",
+        lambda cpus: _mirrored(cpus).save("model.h5"),
+        ValueError, r"`filepath` must end in `.keras`.*"
+        r"Received: filepath='model.h5'"),
+    "save_weights_suffix": Case(
+        "filepath", "'model.h5' for save_weights",
+        lambda cpus: _mirrored(cpus).save_weights("model.h5"),
+        ValueError, r"`filepath` must end in `.weights.h5`\. "
+        r"Received: filepath='model.h5'"),
+    "load_weights_full_model": Case(
+        "filepath", "'model.keras' for load_weights",
+        lambda cpus: _mirrored(cpus).load_weights("model.keras"),
+        ValueError, r"`filepath` must end in `.weights.h5`.*"
+        r"Received: filepath='model.keras'"),
+    "load_model_h5": Case(
+        "filepath", "'model.h5' (legacy full model)",
+        lambda cpus: saving.load_model("model.h5"),
+        errors.UnsafeModelError, r"`filepath` must be a `.keras` file.*"
+        r"Received: filepath='model.h5'"),
+    "tf_config_json": Case(
+        "TF_CONFIG", "'{\"cluster\": ' (bad JSON)",
+        _tf_config('{"cluster": '),
+        errors.ClusterConfigError,
+        r"`TF_CONFIG` is not valid JSON.*Received: TF_CONFIG="),
+    "tf_config_task": Case(
+        "TF_CONFIG", "no \"task\" key",
+        _tf_config('{"cluster": {"worker": ["127.0.0.1:2222"]}}'),
+        errors.ClusterConfigError,
+        r"`TF_CONFIG` has no \"task\" key.*Received: TF_CONFIG="),
+    "tf_config_index": Case(
+        "TF_CONFIG['task']['index']", "5 for 2 workers",
+        _tf_config('{"cluster": {"worker": ["127.0.0.1:2222", '
+                   '"127.0.0.1:2223"]}, "task": {"type": "worker", '
+                   '"index": 5}}'),
+        errors.ClusterConfigError,
+        r"`TF_CONFIG\['task'\]\['index'\]` must be in \[0, 2\).*"
+        r"Received: TF_CONFIG\['task'\]\['index'\]=5"),
+}
+
+
+@pytest.mark.parametrize("name", sorted(CASES))
+def test_error(cpus, name, tmp_path, monkeypatch):
+    monkeypatch.chdir(tmp_path)
+    case = CASES[name]
+    with pytest.raises(case.error, match=case.match) as info:
+        case.make(cpus)
+    message = str(info.value)
+    assert "Received:" in message
+    assert f"`{case.argument.split('[')[0]}" in message or \
+        case.argument in message
+
+
+def test_at_least_twenty_cases():
+    assert len(CASES) >= 20
+
+
+def test_docs_table_lists_every_case():
+    with open(os.path.join(ROOT, "docs", "errors.md")) as f:
+        doc = f.read()
+    rows = re.findall(r"^\| `([a-z0-9_]+)` \|", doc, flags=re.M)
+    assert sorted(rows) == sorted(CASES)
+
+
+def test_errors_subclass_builtins():
+    assert issubclass(errors.DeviceError, ValueError)
+    assert issubclass(errors.UnsafeModelError, ValueError)
+    assert issubclass(errors.NonFiniteError, FloatingPointError)
+    assert issubclass(errors.ClusterConfigError, ValueError)
