@@ -1,0 +1,153 @@
+"""`replica_context()`: the replica's view of the global batch in a step.
+
+A model that overrides `train_step` (or `test_step`) runs that step once per
+replica under `MirroredModel`, on the replica's shard of the global batch.
+`keras_mirror.replica_context()` tells the step where it is: which replica,
+how many rows it holds, how many rows the global batch has, and its share
+`b_r / B`. The two reduction helpers are exact: `all_reduce_mean` weights
+each replica's value by its share, so the mean of per-shard means is the
+mean over the global batch, for uneven and empty shards too.
+
+Outside `MirroredModel` (plain Keras, one device) the same calls describe a
+single replica holding the whole batch, so one step function serves both.
+"""
+
+import contextlib
+import threading
+
+import tensorflow as tf
+
+_LOCAL = threading.local()
+
+
+class ReplicaContext:
+    """One replica's place in the global batch, inside a training step.
+
+    Obtained from `keras_mirror.replica_context()`; not created by users.
+    Values are tensors inside a `MirroredModel` step (they are known only
+    when the step runs) and Python numbers or None outside one.
+
+    Attributes:
+        replica_id: int or scalar int32 tensor. The replica's index, 0 to
+            `num_replicas - 1`, in split-plan order.
+        num_replicas: int. Replicas in sync.
+        shard_size: int, scalar int32 tensor or None. Rows of the global
+            batch that this replica holds, `b_r` (may be 0).
+        global_batch_size: int, scalar int32 tensor or None. Rows of the
+            global batch, `B`.
+        share: float or scalar float32 tensor. `b_r / B` (0 for an empty
+            shard; 1 outside `MirroredModel`).
+
+    Example:
+
+    ```python
+    def train_step(self, data):
+        ctx = keras_mirror.replica_context()
+        ...
+        # The global-batch mean of a per-shard mean statistic:
+        d_acc = ctx.all_reduce_mean(shard_accuracy)
+    ```
+    """
+
+    def __init__(self, replica_id, num_replicas, shard_size,
+                 global_batch_size, options=None, gradient_dtype=None):
+        self.replica_id = replica_id
+        self.num_replicas = num_replicas
+        self.shard_size = shard_size
+        self.global_batch_size = global_batch_size
+        self._options = options
+        self._gradient_dtype = gradient_dtype
+        if num_replicas == 1 and not tf.is_tensor(shard_size):
+            self.share = 1.0
+        else:
+            self.share = tf.math.divide_no_nan(
+                tf.cast(shard_size, tf.float32),
+                tf.cast(global_batch_size, tf.float32))
+
+    @property
+    def distributed(self):
+        """True inside a `MirroredModel` step (with any replica count)."""
+        return tf.is_tensor(self.share)
+
+    def weight(self, value):
+        """`value * share`, and exactly 0 on an empty shard (never NaN)."""
+        if not self.distributed:
+            return value
+        if isinstance(value, tf.IndexedSlices):
+            value = tf.convert_to_tensor(value)
+        value = tf.convert_to_tensor(value)
+        share = tf.cast(self.share, value.dtype)
+        return tf.where(share > 0, value * share, tf.zeros_like(value))
+
+    def all_reduce_sum(self, value):
+        """Sums `value` (a tensor or a structure of them) over replicas."""
+        if not self.distributed:
+            return value
+        ctx = tf.distribute.get_replica_context()
+        return ctx.all_reduce(tf.distribute.ReduceOp.SUM, value,
+                              options=self._options)
+
+    def all_reduce_mean(self, value):
+        """The share-weighted sum over replicas: the global-batch mean.
+
+        `value` is this replica's mean over its own shard (a per-batch mean
+        loss or statistic); the result is the mean over the global batch,
+        the value one device would compute. Empty shards contribute 0.
+        """
+        if not self.distributed:
+            return value
+        return self.all_reduce_sum(tf.nest.map_structure(self.weight, value))
+
+    def __repr__(self):
+        return (f"ReplicaContext(replica_id={self.replica_id}, "
+                f"num_replicas={self.num_replicas}, "
+                f"shard_size={self.shard_size}, "
+                f"global_batch_size={self.global_batch_size})")
+
+
+def replica_context(batch_size=None):
+    """Returns the `ReplicaContext` of the step that is running.
+
+    Inside a step that `MirroredModel` runs per replica (a user's own
+    `train_step` or `test_step`), the context describes this replica's
+    shard. Anywhere else it describes one replica holding the whole batch:
+    `replica_id=0`, `num_replicas=1`, `share=1.0`, and the reductions return
+    their argument, so the same step code runs under plain Keras.
+
+    Args:
+        batch_size: int or None. Outside `MirroredModel`, the rows of the
+            batch (reported as `shard_size` and `global_batch_size`);
+            ignored inside, where the split plan decides. Default None.
+
+    Returns:
+        A `ReplicaContext`.
+
+    Example:
+
+    ```python
+    import keras_mirror
+
+    ctx = keras_mirror.replica_context()
+    print(ctx.num_replicas, ctx.share)  # 1 1.0 outside MirroredModel
+    ```
+    """
+    active = getattr(_LOCAL, "context", None)
+    if active is not None:
+        return active
+    return ReplicaContext(0, 1, batch_size, batch_size)
+
+
+def active():
+    """The context of the running `MirroredModel` replica step, or None."""
+    return getattr(_LOCAL, "context", None)
+
+
+@contextlib.contextmanager
+def activate(context):
+    """Makes `context` current in this (replica) thread."""
+    previous = getattr(_LOCAL, "context", None)
+    _LOCAL.context = context
+    try:
+        yield context
+    finally:
+        _LOCAL.context = previous
