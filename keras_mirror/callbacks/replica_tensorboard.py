@@ -5,6 +5,7 @@ import os
 
 import keras
 import numpy as np
+import tensorflow as tf
 
 from keras_mirror import _replica_logs
 
@@ -93,6 +94,7 @@ class ReplicaTensorBoard(keras.callbacks.Callback):
         self.write_global = write_global
         self._every = _batch_interval(update_freq)
         self._writers = {}
+        self._functions = {}
         self._global_train_batch = 0
         if self._every is not None:
             # Bound here, not defined on the class: with "epoch" the hook
@@ -104,8 +106,6 @@ class ReplicaTensorBoard(keras.callbacks.Callback):
     def _writer(self, run):
         """The writer of `log_dir/run`, created on first use; None if bad."""
         if run not in self._writers:
-            import tensorflow as tf
-
             path = os.path.join(self.log_dir, run)
             try:
                 self._writers[run] = tf.summary.create_file_writer(path)
@@ -122,8 +122,6 @@ class ReplicaTensorBoard(keras.callbacks.Callback):
         writer = self._writer(run)
         if writer is None:
             return
-        import tensorflow as tf
-
         try:
             # `record_if(True)`: Keras's TensorBoard, when batch-level,
             # leaves a `record_if` of its own `update_freq` active.
@@ -135,6 +133,30 @@ class ReplicaTensorBoard(keras.callbacks.Callback):
                          "skipping this run.", run, e)
             self._close(run)
             self._writers[run] = None
+
+    def _write_runs(self, per_run, step):
+        """Writes `{run: {tag: value}}` in one graph call.
+
+        One `tf.function` per layout of runs and tags costs a fraction of
+        the eager `tf.summary.scalar` calls it replaces. On any error it
+        falls back to `_write`, run by run, which logs and skips bad runs.
+        """
+        layout = tuple(
+            (run, tuple(scalars)) for run, scalars in per_run.items()
+            if scalars and self._writer(run) is not None)
+        if not layout:
+            return
+        values = [per_run[run][tag] for run, tags in layout for tag in tags]
+        try:
+            if layout not in self._functions:
+                self._functions[layout] = _scalar_writer(
+                    [(self._writers[run], tags) for run, tags in layout])
+            self._functions[layout](tf.constant(step, tf.int64),
+                                    tf.constant(values, tf.float32))
+        except Exception:  # noqa: BLE001 - retried eagerly, run by run
+            self._functions.pop(layout, None)
+            for run, scalars in per_run.items():
+                self._write(run, scalars, step)
 
     def _close(self, run):
         writer = self._writers.get(run)
@@ -169,32 +191,25 @@ class ReplicaTensorBoard(keras.callbacks.Callback):
         logs = logs or {}
         vectors = {k[len(_PREFIX):]: np.asarray(v).reshape(-1)
                    for k, v in logs.items() if k.startswith(_PREFIX)}
+        per_run = {}
         if vectors:
             ids = self._replica_ids(len(next(iter(vectors.values()))))
             for r in ids:
-                self._write(f"replica_{r}", {
+                per_run[f"replica_{r}"] = {
                     prefix + name: float(v[r])
                     for name, v in vectors.items() if r < v.size
-                }, step)
-        if not self.write_global or not getattr(self.model, "is_chief",
-                                                     True):
-            return
-        train, val = {}, {}
-        for key, value in logs.items():
-            if key.startswith(_PREFIX) or np.ndim(value) != 0:
-                continue
-            if split_validation and key.startswith(_VAL_PREFIX):
-                val[prefix + key[len(_VAL_PREFIX):]] = float(value)
-            else:
-                train[prefix + key] = float(value)
-        self._write("train", train, step)
-        self._write("validation", val, step)
+                }
+        if self.write_global and getattr(self.model, "is_chief", True):
+            per_run["train"], per_run["validation"] = _global_scalars(
+                logs, prefix, split_validation)
+        self._write_runs(per_run, step)
 
     # -- Keras hooks -------------------------------------------------------
 
     def set_model(self, model):
         super().set_model(model)
         self._writers = {}
+        self._functions = {}
 
     def on_train_begin(self, logs=None):
         self._global_train_batch = 0
@@ -213,6 +228,41 @@ class ReplicaTensorBoard(keras.callbacks.Callback):
         for run in list(self._writers):
             self._close(run)
         self._writers = {}
+        self._functions = {}
+
+
+def _global_scalars(logs, prefix, split_validation):
+    """`(train, validation)` dicts of tag -> value from the scalar keys."""
+    train, val = {}, {}
+    for key, value in logs.items():
+        if key.startswith(_PREFIX) or np.ndim(value) != 0:
+            continue
+        if split_validation and key.startswith(_VAL_PREFIX):
+            val[prefix + key[len(_VAL_PREFIX):]] = float(value)
+        else:
+            train[prefix + key] = float(value)
+    return train, val
+
+
+def _scalar_writer(writers_and_tags):
+    """A `tf.function(step, values)` writing `values` in layout order."""
+
+    @tf.function(input_signature=[
+        tf.TensorSpec([], tf.int64),
+        tf.TensorSpec([sum(len(t) for _, t in writers_and_tags)],
+                      tf.float32),
+    ])
+    def write(step, values):
+        i = 0
+        for writer, tags in writers_and_tags:
+            # `record_if(True)`: Keras's TensorBoard, when batch-level,
+            # leaves a `record_if` of its own `update_freq` active.
+            with writer.as_default(), tf.summary.record_if(True):
+                for tag in tags:
+                    tf.summary.scalar(tag, values[i], step=step)
+                    i += 1
+
+    return write
 
 
 def _batch_interval(update_freq):
