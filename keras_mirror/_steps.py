@@ -106,8 +106,11 @@ class ReplicaSteps:
     def _gather(self, per_replica):
         """Concatenates per-replica tensors (a structure) in replica order."""
         if self._multi_worker:
-            return tf.nest.map_structure(
-                lambda v: self._strategy.gather(v, axis=0), per_replica)
+            # `gather` runs in the strategy's cross-replica context; it
+            # concatenates every worker's replicas in global replica order.
+            with self._strategy.scope():
+                return tf.nest.map_structure(
+                    lambda v: self._strategy.gather(v, axis=0), per_replica)
         local = self._strategy.experimental_local_results(per_replica)
         return tf.nest.map_structure(
             lambda *parts: tf.concat(parts, axis=0), *local)

@@ -45,8 +45,9 @@ def logical_cpus(n):
     configs = [tf.config.LogicalDeviceConfiguration() for _ in range(n)]
     try:
         tf.config.set_logical_device_configuration(cpu, configs)
+        _start_cluster_from_env(n)
     except RuntimeError:
-        current = tf.config.list_logical_devices("CPU")
+        current = _local_logical_devices("CPU")
         if len(current) != n:
             raise errors.DevicesAlreadyInitializedError(
                 "`logical_cpus(n)` must run before TensorFlow initialises "
@@ -55,7 +56,22 @@ def logical_cpus(n):
                 "`keras_mirror.logical_cpus` first thing in your program, "
                 f"before building any model. Received: n={n!r}"
             ) from None
-    return [d.name for d in tf.config.list_logical_devices("CPU")]
+    return [d.name for d in _local_logical_devices("CPU")]
+
+
+def _local_logical_devices(kind=None):
+    """This process's logical devices (a cluster lists its peers' too)."""
+    worker = None
+    for key, strategy in list(_STRATEGIES.items()):
+        if key[0] == "multi_worker":
+            worker = tf.DeviceSpec.from_string(
+                strategy.extended._worker_device)
+    found = tf.config.list_logical_devices(kind)
+    if worker is None:
+        return found
+    return [d for d in found
+            if tf.DeviceSpec.from_string(d.name).job == worker.job
+            and tf.DeviceSpec.from_string(d.name).task == worker.task]
 
 
 def _canonical(name):
@@ -76,10 +92,10 @@ def resolve_devices(devices):
 
     `None` means every GPU, or, on a machine without GPUs, every logical CPU.
     """
-    available = [d.name for d in tf.config.list_logical_devices()]
+    available = [d.name for d in _local_logical_devices()]
     if devices is None:
-        gpus = [d.name for d in tf.config.list_logical_devices("GPU")]
-        return gpus or [d.name for d in tf.config.list_logical_devices("CPU")]
+        gpus = [d.name for d in _local_logical_devices("GPU")]
+        return gpus or [d.name for d in _local_logical_devices("CPU")]
     if isinstance(devices, str) or not hasattr(devices, "__iter__"):
         raise errors.DeviceError(
             "`devices` must be a list of device names or None. "
@@ -149,3 +165,111 @@ def mirrored_strategy(devices, cross_device_ops="auto"):
                 devices=list(devices), cross_device_ops=ops
             )
         return _STRATEGIES[key]
+
+
+def _start_cluster_from_env(n):
+    """With a multi-worker `TF_CONFIG`, builds the strategy over `n` CPUs.
+
+    `MultiWorkerMirroredStrategy` must be built before TensorFlow
+    initialises its runtime (building a model does), so `logical_cpus`
+    builds it at once; `MirroredModel` then finds it in the cache.
+    """
+    from keras_mirror import cluster as cluster_lib
+
+    spec = cluster_lib.cluster_from_env()
+    if spec is not None:
+        multi_worker_strategy(spec, [f"/device:CPU:{i}" for i in range(n)])
+
+
+def _local_index(name):
+    spec = tf.DeviceSpec.from_string(name)
+    return spec.device_type.upper(), spec.device_index
+
+
+def multi_worker_strategy(spec, devices, communication_options=None):
+    """Returns the process-wide MultiWorkerMirroredStrategy for a cluster.
+
+    Args:
+        spec: `keras_mirror.cluster.ClusterSpec` of two or more tasks.
+        devices: list of str. This worker's own local devices (all of one
+            type); the worker hosts one replica per device.
+        communication_options: `tf.distribute.experimental.
+            CommunicationOptions` or None: the strategy's defaults for every
+            collective (implementation, packing, `timeout_seconds`).
+
+    TensorFlow's `MultiWorkerMirroredStrategy` puts one replica on `CPU:0`
+    of each worker when it has no GPU, and on every GPU otherwise; it takes
+    no device list. keras-mirror overrides its local-device discovery (one
+    private hook, `CollectiveAllReduceExtended._initialize_local_devices`)
+    so that a worker's replicas are exactly `devices` (e.g. 2 logical CPUs
+    per worker for development). Building the strategy starts this
+    worker's gRPC server and waits until every peer has joined. One
+    strategy is cached per process: a second one would collide on
+    collective keys and cannot restart the server.
+    """
+    from tensorflow.python.distribute import collective_all_reduce_strategy \
+        as cars  # noqa: E501 (the device hook is private)
+
+    kinds = {_local_index(d)[0] for d in devices}
+    if len(kinds) != 1:
+        raise errors.DeviceError(
+            "A multi-worker replica set must use devices of one type. "
+            f"Received: devices={list(devices)!r}")
+    kind = kinds.pop()
+    indices = [_local_index(d)[1] for d in devices]
+    comm = communication_options or \
+        tf.distribute.experimental.CommunicationOptions()
+    key = ("multi_worker", spec)
+    with _STRATEGIES_LOCK:
+        for k, strategy in _STRATEGIES.items():
+            if k[0] == "multi_worker" and k != key:
+                raise errors.DeviceError(
+                    "This process already runs a multi-worker strategy for "
+                    "another cluster; TensorFlow supports one per process. "
+                    f"Received: cluster={spec!r}")
+        if key in _STRATEGIES:
+            strategy = _STRATEGIES[key]
+            want = tuple(f"{kind}:{i}" for i in indices)
+            have = tuple("{}:{}".format(*_local_index(d))
+                         for d in strategy.extended.worker_devices)
+            if want != have:
+                raise errors.DeviceError(
+                    "This process's multi-worker strategy was built over "
+                    f"{list(have)}; TensorFlow supports one per process. "
+                    f"Received: devices={list(devices)!r}")
+            return strategy
+
+        class _Extended(cars.CollectiveAllReduceExtended):
+            def _initialize_local_devices(self, cluster_resolver,
+                                          worker_device):
+                return tuple(f"{worker_device}/device:{kind}:{i}"
+                             for i in indices), kind
+
+        class _Strategy(tf.distribute.MultiWorkerMirroredStrategy):
+            def __init__(self, resolver, options):
+                tf.distribute.Strategy.__init__(
+                    self, _Extended(self, cluster_resolver=resolver,
+                                    communication_options=options))
+
+        jobs = {"worker": list(spec.workers)}
+        if spec.chief is not None:
+            jobs["chief"] = [spec.chief]
+        resolver = tf.distribute.cluster_resolver.SimpleClusterResolver(
+            tf.train.ClusterSpec(jobs), task_type=spec.task_type,
+            task_id=spec.task_index, rpc_layer="grpc")
+        try:
+            strategy = _Strategy(resolver, comm)
+        except RuntimeError as e:
+            if "program startup" not in str(e):
+                raise
+            raise errors.DevicesAlreadyInitializedError(
+                "A multi-worker strategy must be built before TensorFlow "
+                "initialises its runtime (building a model or listing "
+                "devices does). With CPUs, call `keras_mirror.logical_cpus"
+                "(n)` first thing: under a multi-worker `TF_CONFIG` it "
+                "builds the strategy. With GPUs, call `keras_mirror.devices."
+                "multi_worker_strategy(keras_mirror.cluster.cluster_from_env"
+                "(), gpu_names)` first thing. "
+                f"Received: cluster={spec!r}") from None
+        _STRATEGIES[key] = strategy
+        return strategy

@@ -6,12 +6,14 @@ import tensorflow as tf
 from keras_mirror import _compat
 from keras_mirror import _custom_step
 from keras_mirror import _inputs
+from keras_mirror import _multi_worker
 from keras_mirror import _rebuild
 from keras_mirror import _replica_logs
 from keras_mirror import _steps
 from keras_mirror import _validate
 from keras_mirror import allreduce
 from keras_mirror import devices as devices_lib
+from keras_mirror import launch as launch_lib
 from keras_mirror import split
 
 BATCH_MODES = ("global", "per_replica")
@@ -73,7 +75,8 @@ class MirroredModel(_steps.ReplicaSteps, keras.Model):
 
     def __init__(self, model, devices=None, batch="global",
                  on_nonfinite="warn", gradient_dtype=None, bytes_per_pack=0,
-                 communication="auto", timeout_seconds=None, name=None):
+                 communication="auto", timeout_seconds=None, cluster=None,
+                 worker_input="replicate", name=None):
         _compat.check_keras_version()
         _rebuild.check_model(model)
         if batch not in BATCH_MODES:
@@ -90,14 +93,22 @@ class MirroredModel(_steps.ReplicaSteps, keras.Model):
             communication, bytes_per_pack, timeout_seconds)
         allreduce.check_gradient_dtype(gradient_dtype)
         resolved = devices_lib.resolve_devices(devices)
-        strategy = devices_lib.mirrored_strategy(resolved)
+        spec = _multi_worker.cluster_spec(cluster)
+        _multi_worker.check_worker_input(worker_input, spec)
+        if spec is None:
+            strategy = devices_lib.mirrored_strategy(resolved)
+        else:
+            strategy = devices_lib.multi_worker_strategy(spec, resolved, comm)
+        launch_lib.mark_ready()
         original = _rebuild.build_original(model)
         factory = None if isinstance(model, keras.Model) else model
         inner = _rebuild.clone_in_scope(original, factory, strategy)
         super().__init__(name=name or f"mirrored_{original.name}")
         self._strategy = strategy
         self._devices = tuple(resolved)
-        self._multi_worker = False
+        self._multi_worker = spec is not None
+        self._cluster = spec
+        self._worker_input = worker_input
         # Not tracked by Keras: the wrapper's weights are the replicas' only.
         object.__setattr__(self, "_original", original)
         self._inner = inner
@@ -110,6 +121,8 @@ class MirroredModel(_steps.ReplicaSteps, keras.Model):
         self._custom_step = _custom_step.setup(original, inner)
         if inner.built:
             self.built = True
+        if spec is not None:
+            _multi_worker.log_layout(self)
         if getattr(original, "compiled", False) and original.optimizer \
                 and _custom_step.can_compile_like(original):
             self._compile_like(original)
@@ -120,6 +133,32 @@ class MirroredModel(_steps.ReplicaSteps, keras.Model):
     def num_replicas(self):
         """The number of replicas (devices) in sync."""
         return self._strategy.num_replicas_in_sync
+
+    @property
+    def num_workers(self):
+        """Worker processes in the cluster; 1 without a cluster."""
+        return 1 if self._cluster is None else self._cluster.num_workers
+
+    @property
+    def is_chief(self):
+        """Whether this process writes saves, backups and summaries."""
+        return self._cluster is None or self._cluster.is_chief
+
+    @property
+    def local_replica_ids(self):
+        """Global ids of the replicas this worker hosts, in order.
+
+        Worker `w` (its position in the cluster, chief first) hosts
+        `w * n_local ... (w + 1) * n_local - 1`.
+        """
+        n_local = len(self._devices)
+        first = _multi_worker.worker_position(self._cluster) * n_local
+        return tuple(range(first, first + n_local))
+
+    @property
+    def worker_input(self):
+        """How input is divided between workers (see `MirroredModel`)."""
+        return self._worker_input
 
     @property
     def devices(self):
@@ -397,6 +436,8 @@ class MirroredModel(_steps.ReplicaSteps, keras.Model):
                 "`filepath` must end in `.keras` (the only full-model "
                 "format keras-mirror writes). "
                 f"Received: filepath={filepath!r}")
+        if not self.is_chief:
+            return  # Only the chief writes; saving has no collective.
         self.model.save(filepath, overwrite=overwrite, **kwargs)
 
     def save_weights(self, filepath, overwrite=True, **kwargs):
@@ -406,6 +447,8 @@ class MirroredModel(_steps.ReplicaSteps, keras.Model):
             raise ValueError(
                 "`filepath` must end in `.weights.h5`. "
                 f"Received: filepath={filepath!r}")
+        if not self.is_chief:
+            return  # Only the chief writes; saving has no collective.
         self.model.save_weights(filepath, overwrite=overwrite, **kwargs)
 
     def load_weights(self, filepath, skip_mismatch=False, **kwargs):

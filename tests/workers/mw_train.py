@@ -1,0 +1,119 @@
+"""A `MirroredModel` worker for tests/test_multi_worker.py and
+tests/test_step_backup.py (started by `keras_mirror.launch.launch`).
+
+usage: mw_train.py OUT_DIR [--epochs E] [--backup DIR] [--kill-at-step S]
+                   [--local-cpus N]
+
+Trains `model()` on `data()` (45 rows, global batch 8, no shuffling) and
+writes `OUT_DIR/weights_<task index>.npz` (the final weights, plus
+`iterations`) and `OUT_DIR/info_<task index>.json`. With `--kill-at-step S`
+the worker SIGKILLs itself after global step S, on launcher attempt 0 only
+(`KERAS_MIRROR_RESTART`).
+"""
+
+import argparse
+import json
+import os
+import pathlib
+import signal
+import sys
+import time
+
+START = time.monotonic()
+os.environ.setdefault("TF_CPP_MIN_LOG_LEVEL", "2")
+
+import keras_mirror  # noqa: E402
+
+ROWS, BATCH = 45, 8
+
+
+def model():
+    import keras
+    keras.utils.set_random_seed(0)
+    return keras.Sequential([
+        keras.Input((6,)),
+        keras.layers.Dense(16, activation="tanh"),
+        keras.layers.Dense(3),
+    ])
+
+
+def optimizer():
+    import keras
+    return keras.optimizers.Adam(0.01)
+
+
+def data():
+    import numpy as np
+    rng = np.random.default_rng(1)
+    x = rng.normal(size=(ROWS, 6)).astype("float32")
+    y = rng.normal(size=(ROWS, 3)).astype("float32")
+    return x, y
+
+
+def main():
+    parser = argparse.ArgumentParser()
+    parser.add_argument("out_dir")
+    parser.add_argument("--epochs", type=int, default=2)
+    parser.add_argument("--backup")
+    parser.add_argument("--kill-at-step", type=int)
+    parser.add_argument("--local-cpus", type=int, default=2)
+    args = parser.parse_args()
+    cpus = keras_mirror.logical_cpus(args.local_cpus)
+
+    import keras
+    import numpy as np
+
+    out = pathlib.Path(args.out_dir)
+    attempt = int(os.environ.get("KERAS_MIRROR_RESTART", "0"))
+    mirrored = keras_mirror.MirroredModel(model(), devices=cpus,
+                                          timeout_seconds=60)
+    task = keras_mirror.cluster.cluster_from_env()
+    index = 0 if task is None else task.task_index
+    mirrored.compile(optimizer=optimizer(), loss="mse")
+    built = time.monotonic() - START
+    times = {}
+
+    class Probe(keras.callbacks.Callback):
+        def on_train_batch_end(self, batch, logs=None):
+            step = int(self.model.optimizer.iterations.numpy())
+            times.setdefault("first_step", time.monotonic() - START)
+            if args.kill_at_step is not None and attempt == 0 and \
+                    step == args.kill_at_step and index == 1:
+                print(f"killing myself after step {step}", flush=True)
+                os.kill(os.getpid(), signal.SIGKILL)
+
+    callbacks = []
+    if args.backup:
+        from keras_mirror.callbacks.step_backup import StepBackup
+        callbacks.append(StepBackup(args.backup, every_n_steps=1))
+    callbacks.append(Probe())
+    x, y = data()
+    history = mirrored.fit(x, y, batch_size=BATCH, epochs=args.epochs,
+                           shuffle=False, verbose=0, callbacks=callbacks)
+    weights = mirrored.model.get_weights()
+    iterations = int(mirrored.optimizer.iterations.numpy())
+    np.savez(out / f"weights_{index}.npz", *weights, iterations=iterations)
+    replica_samples = history.history.get("replica_samples")
+    info = {
+        "attempt": attempt,
+        "is_chief": mirrored.is_chief,
+        "num_workers": mirrored.num_workers,
+        "num_replicas": mirrored.num_replicas,
+        "local_replica_ids": list(mirrored.local_replica_ids),
+        "multi_worker": mirrored._multi_worker,
+        "iterations": iterations,
+        "seconds_to_build": built,
+        "seconds_to_first_step": times.get("first_step"),
+        "replica_history": {k: np.asarray(v).tolist() for k, v in
+                            mirrored.replica_history.items()},
+        "loss": history.history.get("loss"),
+        "replica_samples": replica_samples and np.asarray(
+            replica_samples).tolist(),
+    }
+    (out / f"info_{index}.json").write_text(json.dumps(info, default=str))
+    mirrored.save_weights(out / "final.weights.h5")
+    print(f"done: iterations={iterations}", flush=True)
+
+
+if __name__ == "__main__":
+    sys.exit(main())
