@@ -15,6 +15,7 @@ from keras_mirror import allreduce
 from keras_mirror import devices as devices_lib
 from keras_mirror import launch as launch_lib
 from keras_mirror import split
+from keras_mirror.callbacks import step_backup
 
 BATCH_MODES = ("global", "per_replica")
 NONFINITE_MODES = ("warn", "skip_step", "raise")
@@ -56,7 +57,20 @@ class MirroredModel(_steps.ReplicaSteps, keras.Model):
         communication: str. Collective implementation, `"auto"`, `"ring"`
             or `"nccl"`; default `"auto"`.
         timeout_seconds: float or None. Fail a collective that takes longer
-            (a dead peer) instead of waiting forever; default None.
+            (a dead peer) instead of waiting forever; default None. Reaches
+            the gradient all-reduce and, multi-worker, the strategy's
+            `communication_options` (loss all-reduce and gathers).
+        cluster: `keras_mirror.cluster.ClusterSpec`, a `TF_CONFIG`-shaped
+            dict / JSON, or None (read `TF_CONFIG`). With two or more
+            tasks, trains on `MultiWorkerMirroredStrategy`, `devices`
+            being this worker's local devices; worker `w` hosts replicas
+            `w * n_local ...` (`local_replica_ids`). Only the chief
+            (`is_chief`) writes `save`/`save_weights`. With CPUs, call
+            `keras_mirror.logical_cpus(n)` first thing: under a cluster it
+            builds the strategy before TensorFlow initialises.
+        worker_input: str. `"replicate"` (the only mode): every worker reads
+            the full, identical global batch and keeps its replicas' rows of
+            the split plan over all replicas (logged at construction).
         name: str or None. The wrapper's name.
 
     Example:
@@ -368,6 +382,12 @@ class MirroredModel(_steps.ReplicaSteps, keras.Model):
         steps = _inputs.count_steps(x, batch_size, steps_per_epoch,
                                     kwargs.get("validation_split", 0.0))
         callbacks = self._callbacks(callbacks, verbose, epochs, steps)
+        backup = step_backup.find(callbacks)
+        if backup is not None:
+            return backup.resume_fit(
+                self, super().fit, x, y, batch_size, epochs, steps_per_epoch,
+                dict(kwargs, verbose=verbose, callbacks=callbacks,
+                     validation_data=validation_data), steps=steps)
         return super().fit(
             x, y, batch_size=batch_size, epochs=epochs, verbose=verbose,
             callbacks=callbacks, validation_data=validation_data,

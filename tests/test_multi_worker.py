@@ -1,0 +1,93 @@
+"""MirroredModel on MultiWorkerMirroredStrategy with real worker processes.
+
+Two workers x two logical CPUs each (4 replicas), started by
+`keras_mirror.launch.launch` on 127.0.0.1, train `mw_train.model()` on 45
+rows with global batch 8 (uneven last batch); both workers' final weights
+must equal each other and single-device Keras training on the same global
+batches. Bounded by the launcher's timeouts and a pytest timeout.
+"""
+
+import importlib.util
+import json
+import pathlib
+import sys
+
+import numpy as np
+import psutil
+import pytest
+
+from keras_mirror import launch as launch_lib
+
+WORKER = pathlib.Path(__file__).parent / "workers" / "mw_train.py"
+
+
+def worker_module():
+    spec = importlib.util.spec_from_file_location("mw_train", WORKER)
+    module = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(module)
+    return module
+
+
+@pytest.fixture(autouse=True)
+def _no_leftover_processes():
+    yield
+    children = psutil.Process().children(recursive=True)
+    for child in children:
+        child.kill()
+    psutil.wait_procs(children, timeout=10)
+    assert not children, f"the test left processes behind: {children}"
+
+
+def single_device_weights(epochs):
+    mw = worker_module()
+    model = mw.model()
+    model.compile(optimizer=mw.optimizer(), loss="mse")
+    x, y = mw.data()
+    model.fit(x, y, batch_size=mw.BATCH, epochs=epochs, shuffle=False,
+              verbose=0)
+    return model.get_weights(), int(model.optimizer.iterations.numpy())
+
+
+def load(out, index):
+    with np.load(out / f"weights_{index}.npz") as f:
+        weights = [f[f"arr_{i}"] for i in range(len(f.files) - 1)]
+        return weights, int(f["iterations"])
+
+
+def max_diff(a, b):
+    return max(float(np.max(np.abs(u - v))) for u, v in zip(a, b))
+
+
+def run_workers(out, *args, max_restarts=0):
+    return launch_lib.launch(
+        [sys.executable, str(WORKER), str(out), *args], 2,
+        max_restarts=max_restarts, timeout=80, start_timeout=45,
+        grace_period=2)
+
+
+@pytest.mark.timeout(100)
+def test_two_workers_train_like_one_device(tmp_path, capsys):
+    code = run_workers(tmp_path, "--epochs", "2")
+    out, err = capsys.readouterr()
+    assert code == 0, out + err
+    assert "multi-worker: 2 workers x 2 replicas; input: every worker " \
+        "reads the full global batch and keeps its replicas' rows" in err
+    w0, it0 = load(tmp_path, 0)
+    w1, it1 = load(tmp_path, 1)
+    ref, ref_it = single_device_weights(2)
+    assert it0 == it1 == ref_it == 12
+    assert max_diff(w0, w1) == 0.0
+    assert max_diff(w0, ref) < 1e-5
+    info = [json.loads((tmp_path / f"info_{i}.json").read_text())
+            for i in (0, 1)]
+    assert [i["is_chief"] for i in info] == [True, False]
+    assert [i["local_replica_ids"] for i in info] == [[0, 1], [2, 3]]
+    assert {i["num_workers"] for i in info} == {2}
+    assert {i["num_replicas"] for i in info} == {4}
+    # Rows per replica per epoch, gathered in global replica order: five
+    # batches of 8 split (2, 2, 2, 2) and one of 5 split (2, 1, 1, 1).
+    assert info[1]["replica_samples"] == [[12, 11, 11, 11]] * 2
+    # Only the chief saved.
+    assert (tmp_path / "final.weights.h5").exists()
+    print(f"max |w_worker - w_single| = {max_diff(w0, ref):.3g}; "
+          f"first step after {info[0]['seconds_to_first_step']:.1f} s")

@@ -1,0 +1,101 @@
+"""Step-granular backup and resume (`StepBackup`), in process and after a
+worker of a real 2-worker run is SIGKILLed mid-epoch and the launcher
+restarts the group."""
+
+import json
+import sys
+
+import keras
+import numpy as np
+import pytest
+from helpers import data
+from helpers import max_diff
+from helpers import mlp
+from test_multi_worker import WORKER
+from test_multi_worker import _no_leftover_processes  # noqa: F401
+from test_multi_worker import load
+from test_multi_worker import single_device_weights
+
+import keras_mirror
+from keras_mirror import launch as launch_lib
+from keras_mirror.callbacks.step_backup import StepBackup
+
+
+class _Crash(Exception):
+    pass
+
+
+class _CrashAt(keras.callbacks.Callback):
+    def __init__(self, step):
+        super().__init__()
+        self.step = step
+
+    def on_train_batch_end(self, batch, logs=None):
+        if int(self.model.optimizer.iterations.numpy()) == self.step:
+            raise _Crash()
+
+
+def _fit(cpus, backup_dir, crash_at=None, every_n_steps=1):
+    mirrored = keras_mirror.MirroredModel(mlp(), devices=cpus)
+    mirrored.compile(optimizer=keras.optimizers.Adam(0.01), loss="mse")
+    x, y, sw = data(45)
+    callbacks = [StepBackup(backup_dir, every_n_steps=every_n_steps)]
+    if crash_at is not None:
+        callbacks.append(_CrashAt(crash_at))
+    mirrored.fit(x, y, sample_weight=sw, batch_size=8, epochs=3,
+                 shuffle=False, verbose=0, callbacks=callbacks)
+    return mirrored
+
+
+@pytest.mark.timeout(90)
+@pytest.mark.parametrize("crash_at,every", [(8, 1), (9, 2), (6, 1)])
+def test_resume_mid_epoch_equals_uninterrupted(cpus, tmp_path, crash_at,
+                                               every):
+    reference = mlp()
+    reference.compile(optimizer=keras.optimizers.Adam(0.01), loss="mse")
+    x, y, sw = data(45)
+    reference.fit(x, y, sample_weight=sw, batch_size=8, epochs=3,
+                  shuffle=False, verbose=0)
+    with pytest.raises(_Crash):
+        _fit(cpus, tmp_path, crash_at=crash_at, every_n_steps=every)
+    assert (tmp_path / "step_backup.npz").exists()
+    resumed = _fit(cpus, tmp_path)
+    assert int(resumed.optimizer.iterations.numpy()) == 18
+    assert max_diff(reference.get_weights(),
+                    resumed.model.get_weights()) < 1e-5
+    assert not (tmp_path / "step_backup.npz").exists()
+
+
+def test_shuffle_true_is_refused_on_mid_epoch_resume(cpus, tmp_path):
+    with pytest.raises(_Crash):
+        _fit(cpus, tmp_path, crash_at=3)
+    mirrored = keras_mirror.MirroredModel(mlp(), devices=cpus)
+    mirrored.compile(optimizer="adam", loss="mse")
+    x, y, _ = data(45)
+    with pytest.raises(ValueError, match="shuffle=False"):
+        mirrored.fit(x, y, batch_size=8, epochs=3, verbose=0,
+                     callbacks=[StepBackup(tmp_path)])
+
+
+@pytest.mark.timeout(150)
+def test_sigkilled_worker_resumes_to_uninterrupted_weights(tmp_path, capsys):
+    backup = tmp_path / "backup"
+    code = launch_lib.launch(
+        [sys.executable, str(WORKER), str(tmp_path), "--epochs", "2",
+         "--backup", str(backup), "--kill-at-step", "8"], 2,
+        max_restarts=1, timeout=140, start_timeout=60, grace_period=2)
+    out, err = capsys.readouterr()
+    assert code == 0, out + err
+    assert "killing myself after step 8" in out
+    assert "StepBackup resumes at epoch 1, step" in out
+    w0, it0 = load(tmp_path, 0)
+    w1, it1 = load(tmp_path, 1)
+    ref, ref_it = single_device_weights(2)
+    assert it0 == it1 == ref_it == 12
+    assert max_diff(w0, w1) == 0.0
+    assert max_diff(w0, ref) < 1e-5
+    infos = [json.loads((tmp_path / f"info_{i}.json").read_text())
+             for i in (0, 1)]
+    assert [i["attempt"] for i in infos] == [1, 1]
+    print(f"after SIGKILL + restart: max |w - w_single| = "
+          f"{max_diff(w0, ref):.3g}")
