@@ -209,8 +209,9 @@ def _run(mirrored, data, method):
         shard_data = tf.nest.pack_sequence_as(data, leaves)
         r = tf.distribute.get_replica_context().replica_id_in_sync_group
         shard_rows = tf.shape(shard[0])[0]
-        ctx = ReplicaContext(r, n, shard_rows, rows,
-                             mirrored._comm_options, mirrored._gradient_dtype)
+        ctx = ReplicaContext(r, n, shard_rows, rows, distributed=True,
+                             options=mirrored._comm_options,
+                             gradient_dtype=mirrored._gradient_dtype)
         with activate(ctx):
             logs = step(shard_data)
         samples = tf.reshape(tf.cast(shard_rows, tf.float32), [1])

@@ -28,6 +28,8 @@ class ReplicaContext:
     when the step runs) and Python numbers or None outside one.
 
     Attributes:
+        distributed: bool. True inside a `MirroredModel` replica step (with
+            any replica count), False outside.
         replica_id: int or scalar int32 tensor. The replica's index, 0 to
             `num_replicas - 1`, in split-plan order.
         num_replicas: int. Replicas in sync.
@@ -50,24 +52,21 @@ class ReplicaContext:
     """
 
     def __init__(self, replica_id, num_replicas, shard_size,
-                 global_batch_size, options=None, gradient_dtype=None):
+                 global_batch_size, distributed=False, options=None,
+                 gradient_dtype=None):
         self.replica_id = replica_id
         self.num_replicas = num_replicas
         self.shard_size = shard_size
         self.global_batch_size = global_batch_size
+        self.distributed = distributed
         self._options = options
         self._gradient_dtype = gradient_dtype
-        if num_replicas == 1 and not tf.is_tensor(shard_size):
-            self.share = 1.0
-        else:
+        if distributed:
             self.share = tf.math.divide_no_nan(
                 tf.cast(shard_size, tf.float32),
                 tf.cast(global_batch_size, tf.float32))
-
-    @property
-    def distributed(self):
-        """True inside a `MirroredModel` step (with any replica count)."""
-        return tf.is_tensor(self.share)
+        else:
+            self.share = 1.0
 
     def weight(self, value):
         """`value * share`, and exactly 0 on an empty shard (never NaN)."""

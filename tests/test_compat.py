@@ -1,0 +1,80 @@
+"""One test per private Keras attribute in `keras_mirror/_compat.py`.
+
+A Keras release that renames or changes one of them fails here, by name,
+instead of silently mis-weighting gradients elsewhere.
+"""
+
+import keras
+import numpy as np
+import pytest
+import tensorflow as tf
+
+from keras_mirror import _compat
+
+
+def _dense_model():
+    model = keras.Sequential([keras.Input((2,)), keras.layers.Dense(1)])
+    model.compile(optimizer="sgd", loss="mse")
+    return model
+
+
+def test_supported_keras_version():
+    _compat.check_keras_version()
+
+
+def test_optimizer_allreduce_hook_exists_and_is_used():
+    opt = keras.optimizers.SGD(1.0)
+    assert callable(getattr(opt, _compat._ALLREDUCE_HOOK))
+    var = keras.Variable(np.zeros(2, "float32"))
+    seen = []
+
+    def make_hook(original):
+        def hook(grads_and_vars):
+            seen.append(len(list(grads_and_vars)))
+            return [(g * 2.0, v) for g, v in grads_and_vars]
+        return hook
+
+    _compat.replace_optimizer_allreduce(opt, make_hook)
+    opt.apply([tf.ones(2)], [var])
+    assert seen == [1]
+    np.testing.assert_allclose(var.numpy(), [-2.0, -2.0])
+
+
+def test_disable_optimizer_allreduce():
+    opt = keras.optimizers.SGD(1.0)
+    _compat.disable_optimizer_allreduce(opt)
+    pairs = [(tf.ones(1), None)]
+    assert getattr(opt, _compat._ALLREDUCE_HOOK)(pairs) == pairs
+
+
+def test_loss_tracker_is_the_loss_mean():
+    model = _dense_model()
+    tracker = _compat.loss_tracker(model)
+    assert isinstance(tracker, keras.metrics.Mean)
+    assert tracker.name == "loss"
+    assert _compat.loss_tracker(keras.Sequential()) is None
+
+
+def test_loss_scalers_exist_and_divide_by_replicas(cpus):
+    module = _compat._loss_module()
+    for name in _compat._LOSS_SCALERS:
+        assert callable(getattr(module, name))
+    strategy = tf.distribute.MirroredStrategy(cpus[:2])
+    loss = keras.losses.MeanSquaredError()
+    y = tf.ones((2, 1))
+
+    def step():
+        return loss(y, tf.zeros((2, 1)))
+
+    scaled = strategy.experimental_local_results(strategy.run(step))[0]
+    with _compat.unscaled_losses():
+        plain = strategy.experimental_local_results(strategy.run(step))[0]
+    assert float(scaled) == pytest.approx(0.5)
+    assert float(plain) == pytest.approx(1.0)
+    # Restored afterwards.
+    again = strategy.experimental_local_results(strategy.run(step))[0]
+    assert float(again) == pytest.approx(0.5)
+
+
+def test_symbolic_build_exists():
+    assert callable(getattr(keras.Model, _compat._SYMBOLIC_BUILD))
