@@ -2,6 +2,7 @@
 
 from keras_mirror import errors
 from keras_mirror.callbacks.replica_tensorboard import ReplicaTensorBoard
+from keras_mirror.callbacks.step_backup import StepBackup
 from keras_mirror.devices import logical_cpus
 from keras_mirror.mirrored_model import MirroredModel
 from keras_mirror.replica_context import ReplicaContext
