@@ -9,3 +9,15 @@ from keras_mirror.replica_context import ReplicaContext
 from keras_mirror.replica_context import replica_context
 from keras_mirror.saving import load_model
 from keras_mirror.version import __version__
+
+__all__ = [
+    "MirroredModel",
+    "ReplicaContext",
+    "ReplicaTensorBoard",
+    "StepBackup",
+    "__version__",
+    "errors",
+    "load_model",
+    "logical_cpus",
+    "replica_context",
+]

@@ -207,8 +207,9 @@ def multi_worker_strategy(spec, devices, communication_options=None):
     strategy is cached per process: a second one would collide on
     collective keys and cannot restart the server.
     """
-    from tensorflow.python.distribute import collective_all_reduce_strategy \
-        as cars  # noqa: E501 (the device hook is private)
+    from tensorflow.python.distribute import (
+        collective_all_reduce_strategy as cars,  # noqa: E501 (the device hook is private)
+    )
 
     kinds = {_local_index(d)[0] for d in devices}
     if len(kinds) != 1:

@@ -6,7 +6,6 @@ import json
 import sys
 
 import keras
-import numpy as np
 import pytest
 from helpers import data
 from helpers import max_diff
