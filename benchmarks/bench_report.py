@@ -92,6 +92,8 @@ def summarise(configs, trials):
         ok = [t for t in runs if t["ok"]]
         row = {k: cfg[k] for k in ("model", "variant", "replicas")}
         row.update(trials_ok=len(ok), trials_failed=len(runs) - len(ok))
+        if ok and ok[0].get("execution"):
+            row["execution"] = ok[0]["execution"]
         if ok:
             medians = [t["median_step_ms"] for t in ok]
             row.update(
@@ -125,6 +127,7 @@ def ratios(rows):
     out = []
     for m, n in pairs:
         mirrored = ms.get((m, "mirrored", n))
+        strategy = ms.get((m, "mirrored_strategy", n))
         native = ms.get((m, "native", n))
         single = ms.get((m, "single", 1))
         out.append({
@@ -132,6 +135,8 @@ def ratios(rows):
             "replicas": n,
             "mirrored_over_native": _div(mirrored, native),
             "mirrored_over_single": _div(mirrored, single),
+            "strategy_over_native": _div(strategy, native),
+            "strategy_over_single": _div(strategy, single),
             "native_over_single": _div(native, single),
         })
     return out
@@ -186,7 +191,10 @@ def _md_results(report):
         "|---|---|---:|---:|---:|---:|---:|---:|",
     ]
     for r in report["results"]:
-        head = f"| {r['model']} | {r['variant']} | {r['replicas']} |"
+        variant = r["variant"]
+        if r.get("execution") and variant == "mirrored":
+            variant = f"mirrored ({r['execution']})"
+        head = f"| {r['model']} | {variant} | {r['replicas']} |"
         if "median_step_ms" not in r:
             lines.append(f"{head} failed: {r['error'][:60]} | | | | |")
             continue
@@ -203,18 +211,21 @@ def _md_ratios(report):
     lines = [
         "",
         "| model | N | MirroredModel / native | MirroredModel / single | "
+        "strategy path / native | strategy path / single | "
         "native / single |",
-        "|---|---:|---:|---:|---:|",
+        "|---|---:|---:|---:|---:|---:|---:|",
     ]
     for q in report["ratios"]:
         lines.append(
             f"| {q['model']} | {q['replicas']} | "
             f"{_fmt(q['mirrored_over_native'], '.2f')} | "
             f"{_fmt(q['mirrored_over_single'], '.2f')} | "
+            f"{_fmt(q.get('strategy_over_native'), '.2f')} | "
+            f"{_fmt(q.get('strategy_over_single'), '.2f')} | "
             f"{_fmt(q['native_over_single'], '.2f')} |"
         )
     if not report["ratios"]:
-        lines.append("| - | - | - | - | - |")
+        lines.append("| - | - | - | - | - | - | - |")
     return lines
 
 

@@ -6,7 +6,11 @@ the same global batch of synthetic data:
 - `single`: plain single-device Keras `fit`.
 - `native`: stock Keras `fit` with the model built and compiled inside
   `tf.distribute.MirroredStrategy(devices)`.
-- `mirrored`: `keras_mirror.MirroredModel(model, devices=devices)`.
+- `mirrored`: `keras_mirror.MirroredModel(model, devices=devices)`, on the
+  execution path that `execution="auto"` picks (`in_graph` on CPUs of one
+  host, `strategy` on GPUs).
+- `mirrored_strategy`: the same with `execution="strategy"`, the
+  `tf.distribute.MirroredStrategy` path, for comparison.
 
 Each trial (one model, one variant, one replica count) runs in a fresh
 subprocess, so that its peak RSS and its tracing time are its own. Trials are
@@ -38,7 +42,7 @@ _START = time.perf_counter()
 _HERE = os.path.dirname(os.path.abspath(__file__))
 _ROOT = os.path.dirname(_HERE)
 
-VARIANTS = ("single", "native", "mirrored")
+VARIANTS = ("single", "native", "mirrored", "mirrored_strategy")
 MODELS = ("mlp", "convnet")
 SCHEMA_VERSION = 1
 _SETTINGS = (
@@ -152,11 +156,13 @@ def _prepare(tf, keras, cfg, devices):
             model, _ = _build_model(keras, cfg["model"])
             _compile(keras, model)
         return model
-    if variant == "mirrored":
+    if variant in ("mirrored", "mirrored_strategy"):
         import keras_mirror
 
         model, _ = _build_model(keras, cfg["model"])
-        mirrored = keras_mirror.MirroredModel(model, devices=devices)
+        execution = "strategy" if variant == "mirrored_strategy" else "auto"
+        mirrored = keras_mirror.MirroredModel(model, devices=devices,
+                                              execution=execution)
         _compile(keras, mirrored)
         return mirrored
     raise ValueError(
@@ -213,6 +219,7 @@ def run_trial(cfg):
         "rss_after_import_mb": rss_import,
         "devices": devices,
         "params": int(model.count_params()),
+        "execution": getattr(model, "execution", None),
     }
 
 
@@ -348,7 +355,7 @@ def _plan(args, num_gpus):
             if n > len(devices):
                 notes.append(f"N={n} skipped: only {len(devices)} devices")
                 continue
-            for variant in ("native", "mirrored"):
+            for variant in ("native", "mirrored", "mirrored_strategy"):
                 if variant not in args.variants:
                     continue
                 if variant == "native" and args.batch_size % n:
@@ -433,7 +440,8 @@ def main(argv=None):
     loadavg_before = bench_report.loadavg()
     machine, num_gpus, mirrored_note = _probe_environment()
     if mirrored_note and "mirrored" in args.variants:
-        args.variants = [v for v in args.variants if v != "mirrored"]
+        args.variants = [v for v in args.variants
+                         if not v.startswith("mirrored")]
         print(f"MirroredModel {mirrored_note}", flush=True)
     devices, num_cpus, configs, notes = _plan(args, num_gpus)
     if mirrored_note:

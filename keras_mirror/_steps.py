@@ -17,6 +17,8 @@ import tensorflow as tf
 from keras_mirror import _compat
 from keras_mirror import allreduce
 from keras_mirror import split
+from keras_mirror.replica_context import ReplicaContext
+from keras_mirror.replica_context import activate
 
 REPLICA_KEYS = (
     "replica_loss",
@@ -66,6 +68,34 @@ def _count_nonfinite(tensors):
         if t is not None and tf.as_dtype(t.dtype).is_floating
     ]
     return tf.add_n(counts) if counts else tf.zeros((), tf.int32)
+
+
+def norm_and_nonfinite(grads, shard_loss):
+    """The global norm of `grads` and the count of non-finite values.
+
+    A norm that is finite, with a finite loss, proves every value finite
+    (a NaN or Inf makes the sum of squares non-finite), so the exact count,
+    which reads every gradient once more, runs only when it can be nonzero.
+    """
+    dense = [tf.convert_to_tensor(g) for g in grads if g is not None]
+    norm = tf.linalg.global_norm(dense)
+    shard_loss = tf.convert_to_tensor(shard_loss)
+    finite = tf.logical_and(tf.math.is_finite(norm),
+                            tf.reduce_all(tf.math.is_finite(shard_loss)))
+    nonfinite = tf.cond(finite, lambda: tf.zeros((), tf.int32),
+                        lambda: _count_nonfinite(dense + [shard_loss]))
+    return norm, nonfinite
+
+
+def contribution(shard_loss, reg, rows, global_rows, is_first):
+    """Replica `r`'s term of the global loss: `(S_r - W) b_r / B + W [r=0]`.
+
+    `is_first` is a Python bool or a boolean tensor.
+    """
+    share = tf.math.divide_no_nan(tf.cast(rows, tf.float32),
+                                  tf.cast(global_rows, tf.float32))
+    first = tf.cast(is_first, tf.float32)
+    return (shard_loss - reg) * share + reg * first
 
 
 def _sample_weight_sum(sw, rows):
@@ -131,6 +161,14 @@ class ReplicaSteps:
         it = iter(packed)
         return tuple(next(it) if p else None for p in present)
 
+    def _context(self, global_rows, x):
+        """Makes `replica_context()` describe this replica in its step."""
+        ctx = tf.distribute.get_replica_context()
+        return activate(ReplicaContext(
+            ctx.replica_id_in_sync_group, self.num_replicas, _batch_size(x),
+            global_rows, distributed=True, options=self._comm_options,
+            gradient_dtype=self._gradient_dtype))
+
     # -- losses ------------------------------------------------------------
 
     def _replica_loss(self, x, y, y_pred, sw, training, global_rows):
@@ -144,10 +182,8 @@ class ReplicaSteps:
             self.compute_loss(x=x, y=y, y_pred=y_pred, sample_weight=sw,
                               training=training), tf.float32) * n
         reg = _weight_regularization(self._inner)
-        share = tf.math.divide_no_nan(rows, tf.cast(global_rows, tf.float32))
-        first = tf.cast(tf.equal(ctx.replica_id_in_sync_group, 0),
-                        tf.float32)
-        return (shard - reg) * share + reg * first, shard
+        first = tf.equal(ctx.replica_id_in_sync_group, 0)
+        return contribution(shard, reg, rows, global_rows, first), shard
 
     # -- train -------------------------------------------------------------
 
@@ -159,15 +195,13 @@ class ReplicaSteps:
             # The forward pass starts after the clock is read.
             x = tf.nest.map_structure(tf.identity, x)
         variables = self._inner.trainable_weights
-        with tf.GradientTape() as tape:
+        with tf.GradientTape() as tape, self._context(global_rows, x):
             y_pred = self._inner(x, training=True)
             contribution, shard = self._replica_loss(
                 x, y, y_pred, sw, True, global_rows)
             scaled = self.optimizer.scale_loss(contribution)
         grads = tape.gradient(scaled, variables)
-        nonfinite = _count_nonfinite(grads + [shard])
-        norm = tf.linalg.global_norm(
-            [tf.convert_to_tensor(g) for g in grads if g is not None])
+        norm, nonfinite = norm_and_nonfinite(grads, shard)
         with tf.control_dependencies([norm, nonfinite]):
             step_time = tf.timestamp() - start
         reduced = allreduce.all_reduce_sum(
@@ -230,7 +264,8 @@ class ReplicaSteps:
 
     def _replica_test(self, packed, present, global_rows):
         x, y, sw = self._unpack(packed, present)
-        y_pred = self._inner(x, training=False)
+        with self._context(global_rows, x):
+            y_pred = self._inner(x, training=False)
         contribution, shard = self._replica_loss(
             x, y, y_pred, sw, False, global_rows)
         ctx = tf.distribute.get_replica_context()
@@ -250,11 +285,13 @@ class ReplicaSteps:
             tracker.update_state(self._first(loss), sample_weight=rows)
         return self.compute_metrics(x, y, y_pred, sample_weight=sw)
 
-    def _replica_predict(self, x):
-        return self._inner(x, training=False)
+    def _replica_predict(self, x, global_rows):
+        with self._context(global_rows, x):
+            return self._inner(x, training=False)
 
     def predict_step(self, data):
         x, _, _ = keras.utils.unpack_x_y_sample_weight(data)
-        shards = self._distribute(x, self._plan_sizes(_batch_size(x)))
+        rows = _batch_size(x)
+        shards = self._distribute(x, self._plan_sizes(rows))
         return self._gather(self._strategy.run(self._replica_predict,
-                                               args=(shards,)))
+                                               args=(shards, rows)))

@@ -17,6 +17,15 @@ def _parse(argv):
                         help="write per-replica TensorBoard runs here")
     parser.add_argument("--target", type=float, default=0.95,
                         help="test accuracy the demo must reach")
+    parser.add_argument("--seed", type=int, default=0,
+                        help="seed of the weights and the shuffling")
+    parser.add_argument("--gradient-dtype", default=None,
+                        choices=("float32", "bfloat16", "float16"),
+                        help="dtype of the gradient all-reduce (default: "
+                        "the gradients' own, float32)")
+    parser.add_argument("--execution", default="auto",
+                        choices=("auto", "in_graph", "strategy"),
+                        help="MirroredModel execution path (default auto)")
     return parser.parse_args(argv)
 
 
@@ -71,9 +80,11 @@ def main(argv=None):
     import keras_mirror
 
     keras_mirror.logical_cpus(args.replicas)
-    keras.utils.set_random_seed(0)
+    keras.utils.set_random_seed(args.seed)
     x_train, x_test, y_train, y_test, _ = _data()
-    mirrored = keras_mirror.MirroredModel(_model(keras))
+    mirrored = keras_mirror.MirroredModel(
+        _model(keras), gradient_dtype=args.gradient_dtype,
+        execution=args.execution)
     mirrored.compile(
         optimizer=keras.optimizers.Adam(2e-3),
         loss=keras.losses.SparseCategoricalCrossentropy(from_logits=True),
@@ -86,7 +97,9 @@ def main(argv=None):
           f"steps per epoch.")
     print(f"split plan for a global batch of {b}: {mirrored.split_plan(b)}")
     print(f"split plan for the last batch of {last}: "
-          f"{mirrored.split_plan(last)}\n")
+          f"{mirrored.split_plan(last)}")
+    print(f"gradient all-reduce: {mirrored.allreduce_bytes_per_step} bytes "
+          f"per replica per step ({args.gradient_dtype or 'float32'})\n")
     callbacks = []
     if args.log_dir:
         callbacks.append(keras_mirror.ReplicaTensorBoard(args.log_dir))

@@ -5,6 +5,7 @@ import tensorflow as tf
 
 from keras_mirror import _compat
 from keras_mirror import _custom_step
+from keras_mirror import _graph_steps
 from keras_mirror import _inputs
 from keras_mirror import _multi_worker
 from keras_mirror import _rebuild
@@ -19,6 +20,7 @@ from keras_mirror.callbacks import step_backup
 
 BATCH_MODES = ("global", "per_replica")
 NONFINITE_MODES = ("warn", "skip_step", "raise")
+EXECUTIONS = ("auto", "in_graph", "strategy")
 _EXACT_REDUCTIONS = ("sum_over_batch_size", "mean")
 
 
@@ -68,6 +70,17 @@ class MirroredModel(_steps.ReplicaSteps, keras.Model):
             (`is_chief`) writes `save`/`save_weights`. With CPUs, call
             `keras_mirror.logical_cpus(n)` first thing: under a cluster it
             builds the strategy before TensorFlow initialises.
+        execution: str. How the replicas run. `"strategy"`: one replica
+            step per device under `tf.distribute.MirroredStrategy` (or
+            `MultiWorkerMirroredStrategy`), a copy of the variables per
+            device, gradients all-reduced. `"in_graph"`: one graph in which
+            each replica's shard runs under `tf.device`, one copy of the
+            variables on `devices[0]`, gradients summed in-graph. Both
+            share the split plan, the loss weighting, the per-replica logs
+            and are exact. `"auto"` (default) picks `"in_graph"` for one
+            device or CPU devices of one host, `"strategy"` for GPUs,
+            clusters and models with their own `train_step`;
+            `mirrored.summary()` says which runs and why.
         worker_input: str. `"replicate"` (the only mode): every worker reads
             the full, identical global batch and keeps its replicas' rows of
             the split plan over all replicas (logged at construction).
@@ -90,7 +103,7 @@ class MirroredModel(_steps.ReplicaSteps, keras.Model):
     def __init__(self, model, devices=None, batch="global",
                  on_nonfinite="warn", gradient_dtype=None, bytes_per_pack=0,
                  communication="auto", timeout_seconds=None, cluster=None,
-                 worker_input="replicate", name=None):
+                 worker_input="replicate", execution="auto", name=None):
         _compat.check_keras_version()
         _rebuild.check_model(model)
         if batch not in BATCH_MODES:
@@ -106,20 +119,30 @@ class MirroredModel(_steps.ReplicaSteps, keras.Model):
         comm = allreduce.communication_options(
             communication, bytes_per_pack, timeout_seconds)
         allreduce.check_gradient_dtype(gradient_dtype)
+        _validate.check_choice("execution", execution, EXECUTIONS)
         resolved = devices_lib.resolve_devices(devices)
         spec = _multi_worker.cluster_spec(cluster)
         _multi_worker.check_worker_input(worker_input, spec)
-        if spec is None:
-            strategy = devices_lib.mirrored_strategy(resolved)
-        else:
+        if spec is not None:
+            # Built before the model: TF must not initialise first.
+            _check_execution(execution, "a multi-worker cluster")
             strategy = devices_lib.multi_worker_strategy(spec, resolved, comm)
-        launch_lib.mark_ready()
         original = _rebuild.build_original(model)
+        execution, reason = _pick_execution(
+            execution, resolved, spec, _custom_step.has_custom_step(original))
+        if spec is None and execution == "strategy":
+            strategy = devices_lib.mirrored_strategy(resolved)
+        elif spec is None:
+            # One copy of the variables, on the first device.
+            strategy = tf.distribute.OneDeviceStrategy(resolved[0])
+        launch_lib.mark_ready()
         factory = None if isinstance(model, keras.Model) else model
         inner = _rebuild.clone_in_scope(original, factory, strategy)
         super().__init__(name=name or f"mirrored_{original.name}")
         self._strategy = strategy
         self._devices = tuple(resolved)
+        self._execution = execution
+        self._execution_reason = reason
         self._multi_worker = spec is not None
         self._cluster = spec
         self._worker_input = worker_input
@@ -146,7 +169,14 @@ class MirroredModel(_steps.ReplicaSteps, keras.Model):
     @property
     def num_replicas(self):
         """The number of replicas (devices) in sync."""
+        if self._execution == "in_graph":
+            return len(self._devices)
         return self._strategy.num_replicas_in_sync
+
+    @property
+    def execution(self):
+        """The execution path: `"in_graph"` or `"strategy"` (see `summary`)."""
+        return self._execution
 
     @property
     def num_workers(self):
@@ -181,7 +211,12 @@ class MirroredModel(_steps.ReplicaSteps, keras.Model):
 
     @property
     def strategy(self):
-        """The `tf.distribute` strategy that runs the replicas."""
+        """The `tf.distribute` strategy that holds the variables.
+
+        `MirroredStrategy` (or `MultiWorkerMirroredStrategy`) on the
+        `"strategy"` path; `OneDeviceStrategy(devices[0])` on the
+        `"in_graph"` path, whose variables exist once.
+        """
         return self._strategy
 
     @property
@@ -280,12 +315,21 @@ class MirroredModel(_steps.ReplicaSteps, keras.Model):
     def train_step(self, data):
         if self._custom_step:
             return _custom_step.train_step(self, data)
+        if self._execution == "in_graph":
+            return _graph_steps.train_step(self, data)
         return super().train_step(data)
 
     def test_step(self, data):
         if self._custom_step:
             return _custom_step.test_step(self, data)
+        if self._execution == "in_graph":
+            return _graph_steps.test_step(self, data)
         return super().test_step(data)
+
+    def predict_step(self, data):
+        if self._execution == "in_graph":
+            return _graph_steps.predict_step(self, data)
+        return super().predict_step(data)
 
     # -- building ----------------------------------------------------------
 
@@ -489,15 +533,59 @@ class MirroredModel(_steps.ReplicaSteps, keras.Model):
         print_fn = kwargs.get("print_fn") or print
         print_fn(
             f"MirroredModel: {self.num_replicas} replica(s) on "
-            f"{list(self._devices)}, batch={self._batch_mode!r}, "
-            f"execution path: tf.distribute {type(self._strategy).__name__} "
-            f"(one replica step per device, explicit gradient all-reduce)")
+            f"{list(self._devices)}, batch={self._batch_mode!r}")
+        print_fn(f"Execution path: {self.execution_summary}")
         self._inner.summary(*args, **kwargs)
+
+    @property
+    def execution_summary(self):
+        """One line: which execution path runs, and why."""
+        if self._execution == "in_graph":
+            what = ("in_graph (one graph; each replica's shard runs under "
+                    "tf.device on its device; one copy of the variables on "
+                    f"{self._devices[0]}; gradients summed in-graph)")
+        else:
+            what = (f"strategy (tf.distribute "
+                    f"{type(self._strategy).__name__}; one replica step per "
+                    "device; explicit gradient all-reduce)")
+        return f"{what}, because {self._execution_reason}."
 
     def get_config(self):
         raise NotImplementedError(
             "A MirroredModel is not serialised itself: `save` writes the "
             "wrapped plain model, which loads without keras-mirror.")
+
+
+def _check_execution(execution, what):
+    if execution == "in_graph":
+        raise ValueError(
+            f"`execution='in_graph'` cannot run {what}: only the "
+            "tf.distribute path can. Pass execution='strategy' or 'auto'. "
+            f"Received: execution={execution!r}")
+
+
+def _pick_execution(execution, devices, spec, custom_step):
+    """Returns (path, reason) for `MirroredModel(execution=...)`."""
+    if spec is not None:
+        return "strategy", "training spans a multi-worker cluster"
+    if custom_step:
+        _check_execution(execution, "a model with its own `train_step`")
+        if execution == "strategy":
+            return "strategy", "execution='strategy' was asked for"
+        return "strategy", ("the model has its own `train_step`, which runs "
+                            "per replica under the strategy")
+    if execution == "strategy":
+        return "strategy", "execution='strategy' was asked for"
+    if execution == "in_graph":
+        return "in_graph", "execution='in_graph' was asked for"
+    if len(devices) == 1:
+        return "in_graph", "there is one device (nothing to mirror)"
+    if all("CPU" in d.upper() for d in devices):
+        return "in_graph", ("the devices are CPUs of one host, which share "
+                            "memory: mirrored copies would only add an "
+                            "optimizer update per copy")
+    return "strategy", ("the devices are accelerators: each keeps its own "
+                        "copy and gradients are all-reduced (NCCL on GPUs)")
 
 
 def _mirrored_optimizer(optimizer):

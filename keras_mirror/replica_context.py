@@ -1,8 +1,10 @@
 """`replica_context()`: the replica's view of the global batch in a step.
 
 A model that overrides `train_step` (or `test_step`) runs that step once per
-replica under `MirroredModel`, on the replica's shard of the global batch.
-`keras_mirror.replica_context()` tells the step where it is: which replica,
+replica under `MirroredModel`, on the replica's shard of the global batch;
+the built-in step runs the model's forward pass once per replica too.
+`keras_mirror.replica_context()` tells the step (or a layer's `call`) where
+it is: which replica,
 how many rows it holds, how many rows the global batch has, and its share
 `b_r / B`. The two reduction helpers are exact: `all_reduce_mean` weights
 each replica's value by its share, so the mean of per-shard means is the
@@ -40,6 +42,12 @@ class ReplicaContext:
         share: float or scalar float32 tensor. `b_r / B` (0 for an empty
             shard; 1 outside `MirroredModel`).
 
+    On the `"in_graph"` execution path (see `MirroredModel`) the replicas'
+    forward passes are traced one after the other into one graph, so a
+    replica cannot wait for the others: `replica_id` is a Python int and the
+    two reductions raise `RuntimeError`. Models with their own `train_step`
+    always run on the `"strategy"` path, where both work.
+
     Example:
 
     ```python
@@ -53,7 +61,7 @@ class ReplicaContext:
 
     def __init__(self, replica_id, num_replicas, shard_size,
                  global_batch_size, distributed=False, options=None,
-                 gradient_dtype=None):
+                 gradient_dtype=None, reduce_error=None):
         self.replica_id = replica_id
         self.num_replicas = num_replicas
         self.shard_size = shard_size
@@ -61,6 +69,7 @@ class ReplicaContext:
         self.distributed = distributed
         self._options = options
         self._gradient_dtype = gradient_dtype
+        self._reduce_error = reduce_error
         if distributed:
             self.share = tf.math.divide_no_nan(
                 tf.cast(shard_size, tf.float32),
@@ -82,6 +91,8 @@ class ReplicaContext:
         """Sums `value` (a tensor or a structure of them) over replicas."""
         if not self.distributed:
             return value
+        if self._reduce_error is not None:
+            raise RuntimeError(self._reduce_error)
         ctx = tf.distribute.get_replica_context()
         return ctx.all_reduce(tf.distribute.ReduceOp.SUM, value,
                               options=self._options)

@@ -29,3 +29,23 @@ def _clean_session():
 def cpus():
     """The names of the 4 logical CPU devices."""
     return list(CPUS)
+
+
+@pytest.fixture(params=["in_graph", "strategy"])
+def execution(request, monkeypatch):
+    """Runs a test once per execution path of `MirroredModel`.
+
+    Every `MirroredModel` the test builds with the default
+    `execution="auto"` runs on the path under test instead, so that a test
+    module opts in with `pytestmark = pytest.mark.usefixtures("execution")`
+    and proves both paths exact with the same assertions.
+    """
+    init = keras_mirror.MirroredModel.__init__
+
+    def on_path(self, *args, execution="auto", **kwargs):
+        if execution == "auto":
+            execution = request.param
+        init(self, *args, execution=execution, **kwargs)
+
+    monkeypatch.setattr(keras_mirror.MirroredModel, "__init__", on_path)
+    return request.param

@@ -19,6 +19,9 @@ import tensorflow as tf
 
 import keras_mirror
 
+# Each test runs on both execution paths (conftest.py).
+pytestmark = pytest.mark.usefixtures("execution")
+
 NUM_REPLICAS = 4
 FEATURES = 3
 
@@ -47,9 +50,9 @@ class Recorder(keras.layers.Layer):
 
     def call(self, x, training=None):
         if training:
-            ctx = tf.distribute.get_replica_context()
+            ctx = keras_mirror.replica_context()
             ids = tf.cast(tf.round(x[:, 0]), tf.int64)
-            tf.py_function(LOG.record, [ctx.replica_id_in_sync_group, ids],
+            tf.py_function(LOG.record, [ctx.replica_id, ids],
                            tf.int32)
         return x
 

@@ -10,6 +10,9 @@ from helpers import mlp
 
 import keras_mirror
 
+# Each test runs on both execution paths (conftest.py).
+pytestmark = pytest.mark.usefixtures("execution")
+
 # First batch smaller than 4 replicas and uneven, then even, uneven, tiny.
 BATCHES = (3, 8, 7, 5, 1)
 
@@ -303,14 +306,19 @@ def test_unbuilt_sequential_builds_on_first_uneven_batch(cpus):
                                mirrored.predict(x, verbose=0), atol=1e-6)
 
 
-def test_num_replicas_devices_and_summary(cpus, capsys):
+def test_num_replicas_devices_and_summary(cpus, capsys, execution):
     mirrored = keras_mirror.MirroredModel(mlp(), devices=["/cpu:1", "/cpu:3"])
     assert mirrored.num_replicas == 2
     assert mirrored.devices == (cpus[1], cpus[3])
+    assert mirrored.execution == execution
     mirrored.summary()
-    out = capsys.readouterr().out
-    assert "MirroredModel: 2 replica(s)" in out
-    assert "execution path" in out
+    lines = capsys.readouterr().out.splitlines()
+    assert lines[0] == ("MirroredModel: 2 replica(s) on "
+                        "['/device:CPU:1', '/device:CPU:3'], batch='global'")
+    assert lines[1] == f"Execution path: {mirrored.execution_summary}"
+    assert lines[1].startswith(f"Execution path: {execution} (")
+    assert lines[1].endswith(
+        f"because execution='{execution}' was asked for.")
 
 
 def test_steps_per_execution_is_exact(cpus):

@@ -20,6 +20,9 @@ import tensorflow as tf
 import keras_mirror
 from keras_mirror import errors
 
+# Each test runs on both execution paths (conftest.py).
+pytestmark = pytest.mark.usefixtures("execution")
+
 ROWS = 16
 BAD_ROW = 9  # balanced split 4/4/4/4: rows 8..11 go to replica 2
 BAD_REPLICA = 2

@@ -15,6 +15,7 @@ import collections
 
 import keras
 import numpy as np
+import pytest
 import tensorflow as tf
 from hypothesis import HealthCheck
 from hypothesis import given
@@ -23,6 +24,9 @@ from hypothesis import strategies as st
 
 import keras_mirror
 from keras_mirror import split
+
+# Each test runs on both execution paths (conftest.py).
+pytestmark = pytest.mark.usefixtures("execution")
 
 FEATURES = 3
 REAL = settings(max_examples=15, deadline=None, derandomize=True,
@@ -85,9 +89,9 @@ class Recorder(keras.layers.Layer):
 
     def call(self, x, training=None):
         if training:
-            ctx = tf.distribute.get_replica_context()
+            ctx = keras_mirror.replica_context()
             ids = tf.cast(tf.round(x[:, 0]), tf.int64)
-            tf.py_function(_record, [ctx.replica_id_in_sync_group, ids],
+            tf.py_function(_record, [ctx.replica_id, ids],
                            tf.int32)
         return x
 

@@ -8,11 +8,15 @@ import textwrap
 
 import keras
 import numpy as np
+import pytest
 from helpers import data
 from helpers import max_diff
 from helpers import mlp
 
 import keras_mirror
+
+# Each test runs on both execution paths (conftest.py).
+pytestmark = pytest.mark.usefixtures("execution")
 
 
 def _trained(cpus):

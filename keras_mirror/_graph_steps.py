@@ -1,0 +1,233 @@
+"""The in-graph execution path: one graph, one shard per device.
+
+`MirroredModel(..., execution="in_graph")` (the `"auto"` choice for logical
+CPUs on one host, and for a single device) keeps one copy of the variables,
+on the first device, and builds each step as one TensorFlow graph in which
+replica `r`'s forward and backward pass run under `tf.device(devices[r])` on
+its shard. It shares every rule of the `tf.distribute` path (`_steps.py`):
+
+- the same split plan (`split.sizes_tensor`), so `split_plan` holds;
+- the same loss weighting, `(S_r - W) * b_r / B + W * [r == 0]`
+  (`_steps.contribution`);
+- the same sum of the replicas' gradients, here an in-graph `add_n` on the
+  variables' device, in `gradient_dtype` when one is set;
+- one optimizer update, skipped on all replicas for a non-finite step;
+- the same per-replica statistics, in replica order.
+
+Why a second path: on CPU devices of one host every replica shares the
+same memory, so `tf.distribute`'s mirrored copies buy nothing and cost an
+optimizer update per copy and per variable, which dominated the step time
+of small models (see `benchmarks/README.md`). On GPUs the `tf.distribute`
+path (NCCL all-reduce, local variable copies) is the right one and stays
+the default there.
+
+Non-trainable state written in training (BatchNormalization's moving
+statistics, seed generators) follows the `tf.distribute` path's semantics:
+every replica starts the step from the same state, and the state kept is
+replica 0's (TensorFlow's mirrored variables with `aggregation="none"`
+keep each replica's own write, and the first replica's copy is the one that
+Keras reads, saves and checkpoints).
+"""
+
+import keras
+import tensorflow as tf
+
+from keras_mirror import _compat
+from keras_mirror import _steps
+from keras_mirror import allreduce
+from keras_mirror import split
+from keras_mirror.replica_context import ReplicaContext
+from keras_mirror.replica_context import activate
+
+_NO_REDUCE = (
+    "`replica_context().all_reduce_*` is not available on the 'in_graph' "
+    "execution path, whose replicas are traced one after the other into "
+    "one graph. Use `MirroredModel(..., execution='strategy')`.")
+
+
+def _context(mirrored, r, shard_rows, rows):
+    return activate(ReplicaContext(
+        r, len(mirrored.devices), shard_rows, rows, distributed=True,
+        reduce_error=_NO_REDUCE))
+
+
+def _shards(mirrored, data, rows):
+    """Slices `data` into the replicas' shards, each on its device."""
+    devices = mirrored.devices
+    if len(devices) == 1:  # the plan is the whole batch
+        return [data]
+    sizes = mirrored._plan_sizes(rows)
+    offsets = split.offsets_tensor(sizes)
+    shards = []
+    for r, device in enumerate(devices):
+        with tf.device(device):
+            shards.append(tf.nest.map_structure(
+                lambda t, r=r: _steps._dynamic_rows(
+                    t[offsets[r]:offsets[r] + sizes[r]]),
+                data))
+    return shards
+
+
+def _concat(parts):
+    if len(parts) == 1:
+        return parts[0]
+    return tf.nest.map_structure(lambda *p: tf.concat(p, axis=0), *parts)
+
+
+class _StateGuard:
+    """Gives every replica the same starting non-trainable state.
+
+    Each shard's forward pass may write non-trainable variables (moving
+    statistics). The guard reads them before the first shard, records what
+    replica 0 wrote, restores the starting values before every later shard,
+    and finally keeps replica 0's values, as the `tf.distribute` path does.
+    """
+
+    def __init__(self, model):
+        self._variables = list(model.non_trainable_variables)
+        self._start = [tf.identity(v.value) for v in self._variables]
+        self._first = None
+
+    def after_replica(self, r):
+        if not self._variables:
+            return
+        if r == 0:
+            self._first = [tf.identity(v.value) for v in self._variables]
+        for v, value in zip(self._variables, self._start):
+            v.assign(value)
+
+    def finish(self):
+        if not self._variables:
+            return
+        for v, value in zip(self._variables, self._first):
+            v.assign(value)
+
+
+def _sum_gradients(per_replica, variables, gradient_dtype, device):
+    """The in-graph all-reduce: per-variable sums over replicas."""
+    wire = allreduce.wire_dtype(gradient_dtype)
+    summed = []
+    for i, v in enumerate(variables):
+        parts = [g[i] for g in per_replica if g[i] is not None]
+        if not parts:
+            summed.append(None)
+            continue
+        parts = [tf.convert_to_tensor(p) for p in parts]  # IndexedSlices
+        dtype = parts[0].dtype
+        if wire is not None and dtype.is_floating:
+            parts = [tf.cast(p, wire) for p in parts]
+        with tf.device(device):
+            total = parts[0] if len(parts) == 1 else tf.add_n(parts)
+            summed.append(tf.cast(total, dtype) if total.dtype != dtype
+                          else total)
+    return summed
+
+
+def train_step(mirrored, data):
+    x, y, sw = keras.utils.unpack_x_y_sample_weight(data)
+    rows = _steps._batch_size(x)
+    packed, present = mirrored._pack(x, y, sw)
+    inner = mirrored._inner
+    optimizer = mirrored.optimizer
+    variables = inner.trainable_weights
+    guard = _StateGuard(inner)
+    grads, preds, contributions, stats = [], [], [], []
+    for r, (device, shard) in enumerate(
+            zip(mirrored.devices, _shards(mirrored, packed, rows))):
+        xr, yr, swr = mirrored._unpack(shard, present)
+        with tf.device(device):
+            start = tf.timestamp()
+            with tf.control_dependencies([start]):
+                xr = tf.nest.map_structure(tf.identity, xr)
+            shard_rows = _steps._batch_size(xr)
+            with tf.GradientTape() as tape, _context(mirrored, r,
+                                                     shard_rows, rows):
+                y_pred = inner(xr, training=True)
+                shard_loss = tf.cast(mirrored.compute_loss(
+                    x=xr, y=yr, y_pred=y_pred, sample_weight=swr,
+                    training=True), tf.float32)
+                contribution = _steps.contribution(
+                    shard_loss, _steps._weight_regularization(inner),
+                    shard_rows, rows, r == 0)
+                scaled = optimizer.scale_loss(contribution)
+            g = tape.gradient(scaled, variables)
+            norm, nonfinite = _steps.norm_and_nonfinite(g, shard_loss)
+            with tf.control_dependencies([norm, nonfinite]):
+                step_time = tf.timestamp() - start
+        guard.after_replica(r)
+        grads.append(g)
+        preds.append(y_pred)
+        contributions.append(contribution)
+        stats.append(_steps.as_vectors({
+            "replica_loss": shard_loss,
+            "replica_samples": shard_rows,
+            "replica_sample_weight": _steps._sample_weight_sum(
+                swr, shard_rows),
+            "replica_grad_norm": norm,
+            "replica_nonfinite": nonfinite,
+            "replica_step_time": step_time,
+        }))
+    guard.finish()
+    home = mirrored.devices[0]
+    reduced = _sum_gradients(grads, variables, mirrored._gradient_dtype,
+                             home)
+    with tf.device(home):
+        loss = tf.add_n(contributions)
+        if mirrored.on_nonfinite == "warn":
+            optimizer.apply(reduced, variables)
+        else:
+            total = tf.add_n([s["replica_nonfinite"] for s in stats])
+
+            def apply():
+                optimizer.apply(reduced, variables)
+                return tf.constant(True)
+
+            tf.cond(tf.equal(total[0], 0.0), apply,
+                    lambda: tf.constant(False))
+        y_pred = _concat(preds)
+        tracker = _compat.loss_tracker(mirrored)
+        if tracker is not None:
+            tracker.update_state(loss, sample_weight=rows)
+        logs = dict(mirrored.compute_metrics(x, y, y_pred, sample_weight=sw))
+        logs.update(_concat(stats))
+    return logs
+
+
+def test_step(mirrored, data):
+    x, y, sw = keras.utils.unpack_x_y_sample_weight(data)
+    rows = _steps._batch_size(x)
+    packed, present = mirrored._pack(x, y, sw)
+    inner = mirrored._inner
+    preds, contributions = [], []
+    for r, (device, shard) in enumerate(
+            zip(mirrored.devices, _shards(mirrored, packed, rows))):
+        xr, yr, swr = mirrored._unpack(shard, present)
+        with tf.device(device), _context(mirrored, r, _steps._batch_size(xr),
+                                         rows):
+            y_pred = inner(xr, training=False)
+            shard_loss = tf.cast(mirrored.compute_loss(
+                x=xr, y=yr, y_pred=y_pred, sample_weight=swr,
+                training=False), tf.float32)
+            contributions.append(_steps.contribution(
+                shard_loss, _steps._weight_regularization(inner),
+                _steps._batch_size(xr), rows, r == 0))
+        preds.append(y_pred)
+    with tf.device(mirrored.devices[0]):
+        y_pred = _concat(preds)
+        tracker = _compat.loss_tracker(mirrored)
+        if tracker is not None:
+            tracker.update_state(tf.add_n(contributions), sample_weight=rows)
+        return mirrored.compute_metrics(x, y, y_pred, sample_weight=sw)
+
+
+def predict_step(mirrored, data):
+    x, _, _ = keras.utils.unpack_x_y_sample_weight(data)
+    preds = []
+    rows = _steps._batch_size(x)
+    for r, (device, shard) in enumerate(
+            zip(mirrored.devices, _shards(mirrored, x, rows))):
+        with tf.device(device), _context(mirrored, r,
+                                         _steps._batch_size(shard), rows):
+            preds.append(mirrored._inner(shard, training=False))
+    with tf.device(mirrored.devices[0]):
+        return _concat(preds)

@@ -1,0 +1,185 @@
+"""The two execution paths: which one `"auto"` picks, and what differs.
+
+The exactness suites (test_mirrored_model, test_exactly_once,
+test_nonfinite, test_properties, test_saving) run every test on both paths
+through the `execution` fixture; this file covers the choice itself and the
+behaviour that is specific to one path.
+"""
+
+import keras
+import numpy as np
+import pytest
+import tensorflow as tf
+from helpers import data
+from helpers import max_diff
+from helpers import mlp
+
+import keras_mirror
+
+
+def _bn_model(seed=3):
+    keras.utils.set_random_seed(seed)
+    return keras.Sequential([
+        keras.Input((6,)),
+        keras.layers.Dense(8),
+        keras.layers.BatchNormalization(momentum=0.5),
+        keras.layers.Dense(3),
+    ])
+
+
+def test_auto_picks_in_graph_on_cpus_and_says_why(cpus):
+    mirrored = keras_mirror.MirroredModel(mlp(), devices=cpus)
+    assert mirrored.execution == "in_graph"
+    assert isinstance(mirrored.strategy, tf.distribute.OneDeviceStrategy)
+    assert mirrored.num_replicas == 4
+    assert mirrored.execution_summary == (
+        "in_graph (one graph; each replica's shard runs under tf.device on "
+        "its device; one copy of the variables on /device:CPU:0; gradients "
+        "summed in-graph), because the devices are CPUs of one host, which "
+        "share memory: mirrored copies would only add an optimizer update "
+        "per copy.")
+
+
+def test_auto_on_one_device(cpus):
+    mirrored = keras_mirror.MirroredModel(mlp(), devices=cpus[2:3])
+    assert mirrored.execution == "in_graph"
+    assert mirrored.execution_summary.endswith(
+        "because there is one device (nothing to mirror).")
+
+
+def test_strategy_path_on_request(cpus):
+    mirrored = keras_mirror.MirroredModel(mlp(), devices=cpus,
+                                          execution="strategy")
+    assert isinstance(mirrored.strategy, tf.distribute.MirroredStrategy)
+    assert mirrored.execution_summary.startswith(
+        "strategy (tf.distribute MirroredStrategy; one replica step per "
+        "device; explicit gradient all-reduce)")
+
+
+def test_unknown_execution_is_refused(cpus):
+    with pytest.raises(ValueError) as info:
+        keras_mirror.MirroredModel(mlp(), devices=cpus, execution="graph")
+    assert str(info.value) == (
+        "`execution` must be one of ('auto', 'in_graph', 'strategy'). "
+        "Received: execution='graph'")
+
+
+class OwnStep(keras.Model):
+    def __init__(self, **kwargs):
+        super().__init__(**kwargs)
+        self.dense = keras.layers.Dense(1)
+
+    def call(self, x):
+        return self.dense(x)
+
+    def train_step(self, data):
+        return super().train_step(data)
+
+
+def test_custom_train_step_runs_on_the_strategy_path(cpus):
+    def model():
+        built = OwnStep()
+        built.build((None, 6))
+        return built
+
+    mirrored = keras_mirror.MirroredModel(model, devices=cpus)
+    assert mirrored.execution == "strategy"
+    assert mirrored.execution_summary.endswith(
+        "because the model has its own `train_step`, which runs per replica "
+        "under the strategy.")
+    with pytest.raises(ValueError) as info:
+        keras_mirror.MirroredModel(model, devices=cpus, execution="in_graph")
+    assert str(info.value) == (
+        "`execution='in_graph'` cannot run a model with its own "
+        "`train_step`: only the tf.distribute path can. Pass "
+        "execution='strategy' or 'auto'. Received: execution='in_graph'")
+
+
+def _fit(model, x, y, **kwargs):
+    model.compile(optimizer=keras.optimizers.SGD(0.1), loss="mse")
+    model.fit(x, y, batch_size=7, epochs=2, shuffle=False, verbose=0,
+              **kwargs)
+    return model
+
+
+def test_paths_agree_with_each_other(cpus):
+    x, y, sw = data(30)
+    a = _fit(keras_mirror.MirroredModel(mlp(), devices=cpus,
+                                        execution="in_graph"), x, y,
+             sample_weight=sw)
+    b = _fit(keras_mirror.MirroredModel(mlp(), devices=cpus,
+                                        execution="strategy"), x, y,
+             sample_weight=sw)
+    assert max_diff(a.model.get_weights(), b.model.get_weights()) < 1e-6
+    for key in ("samples", "sample_weight", "loss", "grad_norm"):
+        np.testing.assert_allclose(a.replica_history[key],
+                                   b.replica_history[key], rtol=1e-5,
+                                   atol=1e-6, err_msg=key)
+
+
+def test_batch_norm_state_is_replica_zeros_on_both_paths(cpus):
+    """Moving statistics: each replica starts from the same state and the
+    state kept is replica 0's, on both paths (TF's mirrored variables with
+    aggregation "none" keep the first replica's copy)."""
+    x, y, _ = data(14)  # batches of 7: no empty shard (see the note)
+    a = _fit(keras_mirror.MirroredModel(_bn_model(), devices=cpus,
+                                        execution="in_graph"), x, y)
+    b = _fit(keras_mirror.MirroredModel(_bn_model(), devices=cpus,
+                                        execution="strategy"), x, y)
+    assert max_diff(a.model.get_weights(), b.model.get_weights()) < 1e-5
+    # Replica 0's shard statistics, not a sequential blend of all shards:
+    # one step of momentum 0.5 from (0, 1) on replica 0's first 2 rows.
+    first = _bn_model()
+    plan = a.split_plan(7)
+    assert plan == (2, 2, 2, 1)
+    step = keras_mirror.MirroredModel(_bn_model(), devices=cpus,
+                                      execution="in_graph")
+    step.compile(optimizer=keras.optimizers.SGD(0.0), loss="mse")
+    step.train_on_batch(x[:7], y[:7])
+    hidden = first.layers[0](x[:plan[0]]).numpy()
+    bn = step.model.layers[1]
+    np.testing.assert_allclose(bn.moving_mean.numpy(),
+                               0.5 * hidden.mean(axis=0), rtol=1e-5,
+                               atol=1e-6)
+
+
+class ReplicaIds(keras.layers.Layer):
+    """Adds 10 * replica id to its input (a visible per-replica value)."""
+
+    def call(self, x):
+        ctx = keras_mirror.replica_context()
+        return x + 10.0 * tf.cast(ctx.replica_id, x.dtype)
+
+
+@pytest.mark.parametrize("execution", ["in_graph", "strategy"])
+def test_replica_context_in_the_builtin_forward_pass(cpus, execution):
+    inputs = keras.Input((1,))
+    model = keras.Model(inputs, ReplicaIds()(inputs))
+    mirrored = keras_mirror.MirroredModel(model, devices=cpus,
+                                          execution=execution)
+    out = mirrored.predict(np.zeros((6, 1), "float32"), batch_size=6,
+                           verbose=0)
+    # split_plan(6) == (2, 2, 1, 1): rows carry their replica's id.
+    np.testing.assert_array_equal(out[:, 0], [0, 0, 10, 10, 20, 30])
+
+
+class Reduces(keras.layers.Layer):
+    def call(self, x):
+        return x + keras_mirror.replica_context().all_reduce_sum(
+            tf.reduce_sum(x))
+
+
+def test_reductions_in_a_layer_need_the_strategy_path(cpus):
+    inputs = keras.Input((1,))
+    model = keras.Model(inputs, Reduces()(inputs))
+    mirrored = keras_mirror.MirroredModel(model, devices=cpus,
+                                          execution="in_graph")
+    with pytest.raises(RuntimeError) as info:
+        mirrored.predict(np.ones((4, 1), "float32"), verbose=0)
+    assert "not available on the 'in_graph' execution path" in str(
+        info.value)
+    strategy = keras_mirror.MirroredModel(model, devices=cpus,
+                                          execution="strategy")
+    out = strategy.predict(np.ones((4, 1), "float32"), batch_size=4,
+                           verbose=0)
+    np.testing.assert_array_equal(out[:, 0], [5.0, 5.0, 5.0, 5.0])
