@@ -131,14 +131,12 @@ def train_step(mirrored, data):
     optimizer = mirrored.optimizer
     variables = inner.trainable_weights
     guard = _StateGuard(inner)
+    start, packed = _steps.step_start(packed)
     grads, preds, contributions, stats = [], [], [], []
     for r, (device, shard) in enumerate(
             zip(mirrored.devices, _shards(mirrored, packed, rows))):
         xr, yr, swr = mirrored._unpack(shard, present)
         with tf.device(device):
-            start = tf.timestamp()
-            with tf.control_dependencies([start]):
-                xr = tf.nest.map_structure(tf.identity, xr)
             shard_rows = _steps._batch_size(xr)
             with tf.GradientTape() as tape, _context(mirrored, r,
                                                      shard_rows, rows):

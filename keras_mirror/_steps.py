@@ -70,6 +70,24 @@ def _count_nonfinite(tensors):
     return tf.add_n(counts) if counts else tf.zeros((), tf.int32)
 
 
+def step_start(data):
+    """Reads the clock once, before any replica's work in the step.
+
+    `replica_step_time` is the time from this reading until a replica's
+    gradients (and their norm) are ready. One reading per replica would
+    serialise the replicas: inside a `tf.function`, TensorFlow runs stateful
+    ops without resource inputs (`tf.timestamp`) in program order, so a
+    replica's start would wait for the previous replica's end. The end
+    readings are still ordered by replica, so a replica's reading is never
+    earlier than the one before it; the slowest replica's time, the one the
+    all-reduce waits for, is exact.
+    """
+    start = tf.timestamp()
+    with tf.control_dependencies([start]):
+        # The step's input is sliced after the clock is read.
+        return start, tf.nest.map_structure(tf.identity, data)
+
+
 def norm_and_nonfinite(grads, shard_loss):
     """The global norm of `grads` and the count of non-finite values.
 
@@ -187,13 +205,9 @@ class ReplicaSteps:
 
     # -- train -------------------------------------------------------------
 
-    def _replica_train(self, packed, present, global_rows):
+    def _replica_train(self, packed, present, global_rows, start):
         x, y, sw = self._unpack(packed, present)
         rows = _batch_size(x)
-        start = tf.timestamp()
-        with tf.control_dependencies([start]):
-            # The forward pass starts after the clock is read.
-            x = tf.nest.map_structure(tf.identity, x)
         variables = self._inner.trainable_weights
         with tf.GradientTape() as tape, self._context(global_rows, x):
             y_pred = self._inner(x, training=True)
@@ -247,9 +261,10 @@ class ReplicaSteps:
         x, y, sw = keras.utils.unpack_x_y_sample_weight(data)
         rows = _batch_size(x)
         packed, present = self._pack(x, y, sw)
+        start, packed = step_start(packed)
         shards = self._distribute(packed, self._plan_sizes(rows))
         y_pred, loss, stats = self._strategy.run(
-            self._replica_train, args=(shards, present, rows))
+            self._replica_train, args=(shards, present, rows, start))
         y_pred = self._gather(y_pred)
         loss = self._first(loss)
         tracker = _compat.loss_tracker(self)

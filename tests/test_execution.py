@@ -183,3 +183,26 @@ def test_reductions_in_a_layer_need_the_strategy_path(cpus):
     out = strategy.predict(np.ones((4, 1), "float32"), batch_size=4,
                            verbose=0)
     np.testing.assert_array_equal(out[:, 0], [5.0, 5.0, 5.0, 5.0])
+
+
+@pytest.mark.parametrize("execution", ["in_graph", "strategy"])
+def test_replica_step_time_is_measured_from_one_clock_reading(cpus,
+                                                               execution):
+    """`replica_step_time` runs from one reading at the step's start, and
+    TF reads the replicas' end clocks in replica order (README)."""
+    import time
+
+    x, y, _ = data(40)
+    mirrored = keras_mirror.MirroredModel(mlp(), devices=cpus,
+                                          execution=execution)
+    mirrored.compile(optimizer="sgd", loss="mse")
+    mirrored.fit(x, y, batch_size=8, epochs=1, verbose=0)  # traced
+    begin = time.perf_counter()
+    mirrored.fit(x, y, batch_size=8, epochs=1, verbose=0)
+    wall = time.perf_counter() - begin
+    times = np.array([step["step_time"]
+                      for step in mirrored.replica_history["batch"][-5:]])
+    assert times.shape == (5, 4)
+    assert np.all(times > 0)
+    assert np.all(np.diff(times, axis=1) >= 0)
+    assert times.sum(axis=0).max() < wall
