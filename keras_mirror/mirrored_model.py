@@ -55,11 +55,14 @@ class MirroredModel(_steps.ReplicaSteps, keras.Model):
             gradients through the all-reduce in that dtype; default None
             (full precision).
         bytes_per_pack: int. Gradient bucket size for the all-reduce, 0 lets
-            TensorFlow decide; default 0.
+            TensorFlow decide; default 0. A collective option: a nonzero
+            value makes `execution="auto"` pick the `"strategy"` path.
         communication: str. Collective implementation, `"auto"`, `"ring"`
-            or `"nccl"`; default `"auto"`.
+            or `"nccl"`; default `"auto"`. A collective option, as
+            `bytes_per_pack`.
         timeout_seconds: float or None. Fail a collective that takes longer
-            (a dead peer) instead of waiting forever; default None. Reaches
+            (a dead peer) instead of waiting forever; default None. The
+            `"in_graph"` path has no collective to time out. Reaches
             the gradient all-reduce and, multi-worker, the strategy's
             `communication_options` (loss all-reduce and gathers).
         cluster: `keras_mirror.cluster.ClusterSpec`, a `TF_CONFIG`-shaped
@@ -128,8 +131,13 @@ class MirroredModel(_steps.ReplicaSteps, keras.Model):
             _check_execution(execution, "a multi-worker cluster")
             strategy = devices_lib.multi_worker_strategy(spec, resolved, comm)
         original = _rebuild.build_original(model)
+        collective_options = {
+            k: v for k, v in (("bytes_per_pack", bytes_per_pack),
+                              ("communication", communication))
+            if v != {"bytes_per_pack": 0, "communication": "auto"}[k]}
         execution, reason = _pick_execution(
-            execution, resolved, spec, _custom_step.has_custom_step(original))
+            execution, resolved, spec, _custom_step.has_custom_step(original),
+            collective_options)
         if spec is None and execution == "strategy":
             strategy = devices_lib.mirrored_strategy(resolved)
         elif spec is None:
@@ -564,7 +572,8 @@ def _check_execution(execution, what):
             f"Received: execution={execution!r}")
 
 
-def _pick_execution(execution, devices, spec, custom_step):
+def _pick_execution(execution, devices, spec, custom_step,
+                    collective_options):
     """Returns (path, reason) for `MirroredModel(execution=...)`."""
     if spec is not None:
         return "strategy", "training spans a multi-worker cluster"
@@ -576,8 +585,19 @@ def _pick_execution(execution, devices, spec, custom_step):
                             "per replica under the strategy")
     if execution == "strategy":
         return "strategy", "execution='strategy' was asked for"
+    given = ", ".join(f"{k}={v!r}" for k, v in collective_options.items())
     if execution == "in_graph":
+        if collective_options:
+            raise ValueError(
+                f"{given} tune the collective all-reduce of the "
+                "'strategy' execution path; the 'in_graph' path sums "
+                "gradients in-graph and has no collective. Drop them or "
+                "pass execution='strategy'. Received: "
+                f"execution='in_graph', {given}")
         return "in_graph", "execution='in_graph' was asked for"
+    if collective_options:
+        return "strategy", (f"collective all-reduce options were given "
+                            f"({given})")
     if len(devices) == 1:
         return "in_graph", "there is one device (nothing to mirror)"
     if all("CPU" in d.upper() for d in devices):

@@ -70,6 +70,22 @@ def _tf_config(text):
     return lambda cpus: cluster.cluster_from_env({"TF_CONFIG": text})
 
 
+class _OwnStepModel(keras.Model):
+    def __init__(self, **kwargs):
+        super().__init__(**kwargs)
+        self.dense = keras.layers.Dense(1)
+
+    def call(self, x):
+        return self.dense(x)
+
+    def train_step(self, data):
+        return super().train_step(data)
+
+
+def _OwnStep():
+    return _OwnStepModel()
+
+
 @dataclasses.dataclass
 class Case:
     argument: str
@@ -123,6 +139,27 @@ CASES = {
         "batch", "'local'",
         lambda cpus: keras_mirror.MirroredModel(_seq(), cpus, batch="local"),
         ValueError, r"`batch` must be one of .*Received: batch='local'"),
+    "execution": Case(
+        "execution", "'graph'",
+        lambda cpus: keras_mirror.MirroredModel(_seq(), cpus,
+                                                execution="graph"),
+        ValueError,
+        r"`execution` must be one of \('auto', 'in_graph', 'strategy'\)\. "
+        r"Received: execution='graph'"),
+    "execution_custom_step": Case(
+        "execution", "'in_graph' for a model with its own train_step",
+        lambda cpus: keras_mirror.MirroredModel(
+            _OwnStep, cpus, execution="in_graph"),
+        ValueError,
+        r"`execution='in_graph'` cannot run a model with its own "
+        r"`train_step`.*Received: execution='in_graph'"),
+    "execution_collective_options": Case(
+        "execution", "'in_graph' with communication='ring'",
+        lambda cpus: keras_mirror.MirroredModel(
+            _seq(), cpus, execution="in_graph", communication="ring"),
+        ValueError,
+        r"communication='ring' tune the collective all-reduce.*"
+        r"Received: execution='in_graph', communication='ring'"),
     "on_nonfinite": Case(
         "on_nonfinite", "'ignore'",
         lambda cpus: keras_mirror.MirroredModel(

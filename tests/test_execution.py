@@ -206,3 +206,40 @@ def test_replica_step_time_is_measured_from_one_clock_reading(cpus,
     assert np.all(times > 0)
     assert np.all(np.diff(times, axis=1) >= 0)
     assert times.sum(axis=0).max() < wall
+
+
+def test_collective_options_pick_the_strategy_path(cpus):
+    mirrored = keras_mirror.MirroredModel(mlp(), devices=cpus,
+                                          bytes_per_pack=1 << 20)
+    assert mirrored.execution == "strategy"
+    assert mirrored.execution_summary.endswith(
+        "because collective all-reduce options were given "
+        "(bytes_per_pack=1048576).")
+    with pytest.raises(ValueError) as info:
+        keras_mirror.MirroredModel(mlp(), devices=cpus, execution="in_graph",
+                                   communication="ring")
+    assert str(info.value) == (
+        "communication='ring' tune the collective all-reduce of the "
+        "'strategy' execution path; the 'in_graph' path sums gradients "
+        "in-graph and has no collective. Drop them or pass "
+        "execution='strategy'. Received: execution='in_graph', "
+        "communication='ring'")
+
+
+@pytest.mark.parametrize("gradient_dtype", ["bfloat16", "float16"])
+def test_reduced_precision_sum_is_the_same_on_both_paths(cpus,
+                                                         gradient_dtype):
+    x, y, _ = data(21)
+    models = [
+        _fit(keras_mirror.MirroredModel(mlp(), devices=cpus,
+                                        execution=execution,
+                                        gradient_dtype=gradient_dtype), x, y)
+        for execution in ("in_graph", "strategy")]
+    reference = _fit(mlp(), x, y)
+    a, b = (m.model.get_weights() for m in models)
+    # The gradients travel rounded to 8 (bf16) or 11 (fp16) bits...
+    assert max_diff(a, reference.get_weights()) > 1e-7
+    # ...and both paths round and sum them the same way.
+    assert max_diff(a, b) < 1e-6
+    assert models[0].allreduce_bytes_per_step == models[1]\
+        .allreduce_bytes_per_step == 2 * reference.count_params()
