@@ -37,11 +37,12 @@ def _run(dtype, seed, epochs, timeout):
     done = subprocess.run(cmd, cwd=_ROOT, capture_output=True, text=True,
                           timeout=timeout, env=env)
     accuracy = re.search(r"Test accuracy ([0-9.]+)", done.stdout)
+    loss = re.search(r"test loss ([0-9]+\.[0-9]+)", done.stdout)
     sent = re.search(r"gradient all-reduce: (\d+) bytes", done.stdout)
-    if done.returncode != 0 or not accuracy or not sent:
+    if done.returncode != 0 or not accuracy or not sent or not loss:
         raise RuntimeError(f"demo failed ({dtype}, seed {seed}):\n"
                            + done.stdout[-2000:] + done.stderr[-2000:])
-    return float(accuracy.group(1)), int(sent.group(1))
+    return float(accuracy.group(1)), float(loss.group(1)), int(sent.group(1))
 
 
 def main(argv=None):
@@ -53,13 +54,16 @@ def main(argv=None):
     args = p.parse_args(argv)
     seeds = [int(s) for s in args.seeds.split(",")]
     runs = {d: {} for d in DTYPES}
+    losses = {d: {} for d in DTYPES}
     sent = {}
     for seed in seeds:
         for dtype in DTYPES:
-            acc, sent[dtype] = _run(dtype, seed, args.epochs, args.timeout)
+            acc, loss, sent[dtype] = _run(dtype, seed, args.epochs,
+                                          args.timeout)
             runs[dtype][seed] = acc
-            print(f"{dtype:>9} seed {seed}: accuracy {acc:.4f}, "
-                  f"{sent[dtype]} bytes/step", flush=True)
+            losses[dtype][seed] = loss
+            print(f"{dtype:>9} seed {seed}: accuracy {acc:.4f}, test loss "
+                  f"{loss:.5f}, {sent[dtype]} bytes/step", flush=True)
     base = runs["float32"]
     noise = max(base.values()) - min(base.values())
     rows = []
@@ -69,7 +73,8 @@ def main(argv=None):
         delta = mean - statistics.mean(base.values())
         rows.append({
             "gradient_dtype": dtype, "bytes_per_step": sent[dtype],
-            "accuracy": runs[dtype], "mean": mean,
+            "accuracy": runs[dtype], "test_loss": losses[dtype],
+            "mean": mean,
             "min": min(accs), "max": max(accs),
             "delta_vs_float32": delta,
             "within_noise": abs(delta) <= noise,
@@ -83,15 +88,16 @@ def main(argv=None):
         f"batch 100, {args.epochs} epochs), seeds {seeds}",
         f"- float32 seed-to-seed spread (the noise): {noise:.4f}", "",
         "| gradient dtype | bytes/replica/step | accuracy per seed | mean | "
-        "mean - float32 | within noise |",
-        "|---|---:|---|---:|---:|---|",
+        "mean - float32 | within noise | test loss per seed |",
+        "|---|---:|---|---:|---:|---|---|",
     ]
     for r in rows:
         per_seed = ", ".join(f"{a:.4f}" for a in r["accuracy"].values())
+        per_loss = ", ".join(f"{v:.5f}" for v in r["test_loss"].values())
         lines.append(
             f"| {r['gradient_dtype']} | {r['bytes_per_step']} | {per_seed} | "
             f"{r['mean']:.4f} | {r['delta_vs_float32']:+.4f} | "
-            f"{'yes' if r['within_noise'] else 'no'} |")
+            f"{'yes' if r['within_noise'] else 'no'} | {per_loss} |")
     text = "\n".join(lines) + "\n"
     print("\n" + text)
     out = args.out or os.path.join(_HERE, "results", "gradient_dtype")

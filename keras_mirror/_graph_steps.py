@@ -149,6 +149,8 @@ def train_step(mirrored, data):
                     shard_rows, rows, r == 0)
                 scaled = optimizer.scale_loss(contribution)
             g = tape.gradient(scaled, variables)
+            if r > 0:  # replica 0 holds a row of every non-empty batch
+                g = _steps.zero_if_empty(g, shard_rows)
             norm, nonfinite = _steps.norm_and_nonfinite(g, shard_loss)
             with tf.control_dependencies([norm, nonfinite]):
                 step_time = tf.timestamp() - start

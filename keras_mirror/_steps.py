@@ -70,6 +70,26 @@ def _count_nonfinite(tensors):
     return tf.add_n(counts) if counts else tf.zeros((), tf.int32)
 
 
+def zero_if_empty(grads, rows):
+    """`grads`, or exact zeros when the shard holds no rows.
+
+    An empty shard's share of the global batch is 0, so its gradients are
+    0 in exact arithmetic; in floating point a layer can still produce
+    `0 * NaN` (BatchNormalization's mean of no rows is NaN), which would
+    poison the all-reduced gradient. One `cond` per replica replaces them.
+    """
+    present = [i for i, g in enumerate(grads) if g is not None]
+    if not present:
+        return grads
+    dense = [tf.convert_to_tensor(grads[i]) for i in present]
+    kept = tf.cond(rows > 0, lambda: dense,
+                   lambda: [tf.zeros_like(g) for g in dense])
+    out = list(grads)
+    for i, g in zip(present, kept):
+        out[i] = g
+    return out
+
+
 def step_start(data):
     """Reads the clock once, before any replica's work in the step.
 
@@ -214,7 +234,7 @@ class ReplicaSteps:
             contribution, shard = self._replica_loss(
                 x, y, y_pred, sw, True, global_rows)
             scaled = self.optimizer.scale_loss(contribution)
-        grads = tape.gradient(scaled, variables)
+        grads = zero_if_empty(tape.gradient(scaled, variables), rows)
         norm, nonfinite = norm_and_nonfinite(grads, shard)
         with tf.control_dependencies([norm, nonfinite]):
             step_time = tf.timestamp() - start
@@ -265,6 +285,7 @@ class ReplicaSteps:
         shards = self._distribute(packed, self._plan_sizes(rows))
         y_pred, loss, stats = self._strategy.run(
             self._replica_train, args=(shards, present, rows, start))
+        self._sync_state()
         y_pred = self._gather(y_pred)
         loss = self._first(loss)
         tracker = _compat.loss_tracker(self)
@@ -274,6 +295,21 @@ class ReplicaSteps:
         logs = dict(logs)
         logs.update(self._gather(stats))
         return logs
+
+    def _sync_state(self):
+        """Copies replica 0's non-trainable state to the other replicas.
+
+        Each replica writes its own copy of state such as BatchNorm's
+        moving statistics (TF's mirrored variables with aggregation
+        "none"); Keras reads, saves and checkpoints the first copy. Copying
+        it to the others keeps every replica's evaluation and prediction on
+        the same state (the `in_graph` path's semantics), and keeps the NaN
+        statistics of an empty shard from surviving the step.
+        """
+        for v in self._inner.non_trainable_variables:
+            copies = self._strategy.experimental_local_results(v.value)
+            for copy in copies[1:]:
+                copy.assign(copies[0])
 
     # -- test and predict --------------------------------------------------
 

@@ -113,5 +113,6 @@ def main(argv=None):
     accuracy = result["accuracy"]
     verdict = "reached" if accuracy >= args.target else "MISSED"
     print(f"\nTest accuracy {accuracy:.4f} on {len(x_test)} images "
-          f"({verdict} the target {args.target:.2f}).")
+          f"({verdict} the target {args.target:.2f}); test loss "
+          f"{result['loss']:.5f}.")
     return 0 if accuracy >= args.target else 1

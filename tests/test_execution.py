@@ -6,6 +6,8 @@ through the `execution` fixture; this file covers the choice itself and the
 behaviour that is specific to one path.
 """
 
+import warnings
+
 import keras
 import numpy as np
 import pytest
@@ -243,3 +245,38 @@ def test_reduced_precision_sum_is_the_same_on_both_paths(cpus,
     assert max_diff(a, b) < 1e-6
     assert models[0].allreduce_bytes_per_step == models[1]\
         .allreduce_bytes_per_step == 2 * reference.count_params()
+
+
+@pytest.mark.parametrize("execution", ["in_graph", "strategy"])
+def test_batch_norm_with_empty_shards_stays_finite(cpus, execution):
+    """B < N leaves replicas without rows; BatchNormalization's mean over
+    no rows is NaN, and `0 * NaN` in its backward pass used to reach the
+    all-reduced gradient. Empty shards now contribute exact zeros."""
+    x, y, _ = data(9)
+    mirrored = keras_mirror.MirroredModel(_bn_model(), devices=cpus,
+                                          execution=execution)
+    mirrored.compile(optimizer=keras.optimizers.SGD(0.1), loss="mse")
+    assert mirrored.split_plan(2) == (1, 1, 0, 0)
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")  # no non-finite warning either
+        mirrored.fit(x, y, batch_size=2, epochs=2, shuffle=False, verbose=0)
+    weights = mirrored.model.get_weights()
+    assert all(np.isfinite(w).all() for w in weights)
+    assert np.sum(mirrored.replica_history["nonfinite"]) == 0
+    assert np.isfinite(mirrored.predict(x, batch_size=3, verbose=0)).all()
+    # The same state on every replica, so predictions don't depend on
+    # which replica a row lands on.
+    np.testing.assert_allclose(
+        mirrored.predict(x, batch_size=3, verbose=0),
+        mirrored.model.predict(x, batch_size=3, verbose=0), atol=1e-5)
+
+
+def test_batch_norm_paths_agree_with_empty_shards(cpus):
+    x, y, _ = data(9)
+    weights = []
+    for execution in ("in_graph", "strategy"):
+        mirrored = keras_mirror.MirroredModel(_bn_model(), devices=cpus,
+                                              execution=execution)
+        _fit(mirrored, x, y)  # batches 7 and 2: shards (2,2,2,1), (1,1,0,0)
+        weights.append(mirrored.model.get_weights())
+    assert max_diff(*weights) < 1e-5
