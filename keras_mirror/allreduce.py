@@ -78,11 +78,49 @@ def all_reduce_sum(grads, options=None, gradient_dtype=None):
         values.append(g)
     if not values:
         return list(grads)
-    reduced = ctx.all_reduce(tf.distribute.ReduceOp.SUM, values,
-                             options=options)
+    reduced = [None] * len(values)
+    pack_bytes = options.bytes_per_pack if options is not None else 0
+    for bucket in buckets([(v.shape.num_elements() or 0) * v.dtype.size
+                           for v in values], pack_bytes):
+        # One all-reduce per bucket: NCCL, ReductionToOneDevice and the
+        # collective ops all honour the grouping of the values they get.
+        sums = ctx.all_reduce(tf.distribute.ReduceOp.SUM,
+                              [values[i] for i in bucket], options=options)
+        for i, r in zip(bucket, sums):
+            reduced[i] = r
     out = list(grads)
     for i, r in zip(present, reduced):
         out[i] = tf.cast(r, grads[i].dtype) if r.dtype != grads[i].dtype else r
+    return out
+
+
+def buckets(sizes, bytes_per_pack):
+    """Groups consecutive gradients into all-reduce buckets.
+
+    Args:
+        sizes: list of int. Each gradient's size in bytes, in variable
+            order.
+        bytes_per_pack: int. 0 puts everything in one bucket (TensorFlow
+            packs as it likes); otherwise a bucket closes once it holds at
+            least this many bytes, so every bucket but the last reaches the
+            target and a gradient larger than it travels alone.
+
+    Returns:
+        A list of lists of indices into `sizes`, in order.
+    """
+    if not sizes:
+        return []
+    if not bytes_per_pack:
+        return [list(range(len(sizes)))]
+    out, current, filled = [], [], 0
+    for i, size in enumerate(sizes):
+        current.append(i)
+        filled += size
+        if filled >= bytes_per_pack:
+            out.append(current)
+            current, filled = [], 0
+    if current:
+        out.append(current)
     return out
 
 

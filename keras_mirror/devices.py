@@ -148,19 +148,39 @@ def default_cross_device_ops(devices):
     return tf.distribute.ReductionToOneDevice(reduce_to_device=devices[0])
 
 
-def mirrored_strategy(devices, cross_device_ops="auto"):
+def single_host_cross_device_ops(devices, communication="auto"):
+    """The all-reduce of a one-host MirroredStrategy for `communication`.
+
+    `"auto"`: `default_cross_device_ops`. `"nccl"`: `NcclAllReduce`, GPUs
+    only. `"ring"` names the ring algorithm of TensorFlow's collective ops,
+    which only `MultiWorkerMirroredStrategy` uses: refused on one host.
+    """
+    if communication == "auto":
+        return default_cross_device_ops(devices)
+    if communication == "nccl":
+        if not all("GPU" in d.upper() for d in devices):
+            raise ValueError(
+                "`communication='nccl'` needs GPU devices (NCCL is NVIDIA's "
+                "GPU library). Received: communication='nccl' with "
+                f"devices={list(devices)}")
+        return tf.distribute.NcclAllReduce()
+    raise ValueError(
+        f"`communication={communication!r}` selects an implementation of "
+        "TensorFlow's collective ops, which only a multi-worker cluster "
+        "uses; on one host use 'auto' (NCCL on GPUs) or 'nccl'. "
+        f"Received: communication={communication!r}")
+
+
+def mirrored_strategy(devices, communication="auto"):
     """Returns the process-wide MirroredStrategy for `devices`.
 
     Strategies are cached: two MirroredStrategy objects over the same devices
     in one process can collide on collective instance keys.
     """
-    key = (tuple(devices), cross_device_ops if cross_device_ops != "auto"
-           else "auto")
-    key = (key[0], key[1] if isinstance(key[1], str) else id(key[1]))
+    key = (tuple(devices), communication)
     with _STRATEGIES_LOCK:
         if key not in _STRATEGIES:
-            ops = (default_cross_device_ops(devices)
-                   if cross_device_ops == "auto" else cross_device_ops)
+            ops = single_host_cross_device_ops(devices, communication)
             _STRATEGIES[key] = tf.distribute.MirroredStrategy(
                 devices=list(devices), cross_device_ops=ops
             )

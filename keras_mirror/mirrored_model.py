@@ -54,12 +54,17 @@ class MirroredModel(_steps.ReplicaSteps, keras.Model):
         gradient_dtype: str or None. `"bfloat16"` or `"float16"` sends
             gradients through the all-reduce in that dtype; default None
             (full precision).
-        bytes_per_pack: int. Gradient bucket size for the all-reduce, 0 lets
-            TensorFlow decide; default 0. A collective option: a nonzero
-            value makes `execution="auto"` pick the `"strategy"` path.
-        communication: str. Collective implementation, `"auto"`, `"ring"`
-            or `"nccl"`; default `"auto"`. A collective option, as
-            `bytes_per_pack`.
+        bytes_per_pack: int. Gradient bucket size for the all-reduce: the
+            gradients, in variable order, go in buckets of at least this
+            many bytes, one all-reduce per bucket (`allreduce.buckets`);
+            0 sends them in one call and lets TensorFlow pack; default 0.
+            A collective option: a nonzero value makes `execution="auto"`
+            pick the `"strategy"` path.
+        communication: str. All-reduce implementation, `"auto"`, `"ring"`
+            or `"nccl"`; default `"auto"`. On one host, `"nccl"` asks for
+            `NcclAllReduce` (GPUs only) and `"ring"` is refused (it names
+            the collective ops' ring, which only clusters use). A
+            collective option, as `bytes_per_pack`.
         timeout_seconds: float or None. Fail a collective that takes longer
             (a dead peer) instead of waiting forever; default None. The
             `"in_graph"` path has no collective to time out. Reaches
@@ -139,7 +144,7 @@ class MirroredModel(_steps.ReplicaSteps, keras.Model):
             execution, resolved, spec, _custom_step.has_custom_step(original),
             collective_options)
         if spec is None and execution == "strategy":
-            strategy = devices_lib.mirrored_strategy(resolved)
+            strategy = devices_lib.mirrored_strategy(resolved, communication)
         elif spec is None:
             # One copy of the variables, on the first device.
             strategy = tf.distribute.OneDeviceStrategy(resolved[0])

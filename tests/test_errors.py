@@ -179,6 +179,20 @@ CASES = {
         ValueError,
         r"`bytes_per_pack` must be a non-negative integer\. "
         r"Received: bytes_per_pack=-1"),
+    "communication_ring_one_host": Case(
+        "communication", "'ring' on one host",
+        lambda cpus: keras_mirror.MirroredModel(
+            _seq(), cpus, communication="ring"),
+        ValueError,
+        r"`communication='ring'` selects an implementation of TensorFlow's "
+        r"collective ops.*Received: communication='ring'"),
+    "communication_nccl_cpus": Case(
+        "communication", "'nccl' with CPU devices",
+        lambda cpus: keras_mirror.MirroredModel(
+            _seq(), cpus, communication="nccl"),
+        ValueError,
+        r"`communication='nccl'` needs GPU devices.*"
+        r"Received: communication='nccl' with devices="),
     "communication": Case(
         "communication", "'mpi'",
         lambda cpus: keras_mirror.MirroredModel(
