@@ -503,9 +503,13 @@ class MirroredModel(_steps.ReplicaSteps, keras.Model):
         return self._original
 
     def save(self, filepath, overwrite=True, **kwargs):
-        """Saves the plain model (weights synced) as a `.keras` file.
+        """Saves the plain model as a `.keras` file, ready to train on.
 
-        The file loads with `keras.saving.load_model` without keras-mirror.
+        The file holds the current weights and, when the wrapper is compiled
+        (with the built-in `train_step`), the compile configuration and the
+        optimizer's state, so that `keras.saving.load_model` (without
+        keras-mirror) returns a compiled model whose next `fit` step equals
+        the wrapper's. `mirrored.model` is compiled to match first.
         """
         filepath = str(filepath)
         if not filepath.endswith(".keras"):
@@ -515,7 +519,38 @@ class MirroredModel(_steps.ReplicaSteps, keras.Model):
                 f"Received: filepath={filepath!r}")
         if not self.is_chief:
             return  # Only the chief writes; saving has no collective.
-        self.model.save(filepath, overwrite=overwrite, **kwargs)
+        model = self.model
+        self._sync_training_state(model)
+        model.save(filepath, overwrite=overwrite, **kwargs)
+
+    def _sync_training_state(self, model):
+        """Compiles `model` like the wrapper and copies the optimizer state.
+
+        Keeps the user's optimizer object when it matches the wrapper's
+        (same class, config and variable layout); otherwise compiles
+        `model` from the wrapper's compile configuration.
+        """
+        if self._custom_step or not self.compiled or self.optimizer is None \
+                or not self.optimizer.built:
+            return
+        source = self.optimizer
+        if not _same_optimizer(getattr(model, "optimizer", None), source) \
+                or not getattr(model, "compiled", False):
+            config = keras.saving.deserialize_keras_object(
+                self.get_compile_config())
+            model.compile(**config)
+        target = model.optimizer
+        if not target.built:
+            target.build(model.trainable_variables)
+        if [tuple(v.shape) for v in target.variables] != \
+                [tuple(v.shape) for v in source.variables]:
+            raise RuntimeError(
+                "keras-mirror could not copy the optimizer state into the "
+                "saved model: the optimizers' variables differ "
+                f"({len(source.variables)} vs {len(target.variables)}). "
+                f"Received: optimizer={type(source).__name__}")
+        for mine, theirs in zip(source.variables, target.variables):
+            theirs.assign(mine.numpy())
 
     def save_weights(self, filepath, overwrite=True, **kwargs):
         """Saves the weights (`.weights.h5`) of the plain model."""
@@ -611,6 +646,13 @@ def _pick_execution(execution, devices, spec, custom_step,
                             "optimizer update per copy")
     return "strategy", ("the devices are accelerators: each keeps its own "
                         "copy and gradients are all-reduced (NCCL on GPUs)")
+
+
+def _same_optimizer(a, b):
+    """Same class and config (the state may differ)."""
+    if not isinstance(a, keras.optimizers.Optimizer):
+        return False
+    return type(a) is type(b) and a.get_config() == b.get_config()
 
 
 def _mirrored_optimizer(optimizer):

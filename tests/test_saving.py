@@ -89,3 +89,40 @@ def test_model_property_is_a_plain_model_with_current_weights(cpus):
     assert type(mirrored.model) is keras.Sequential
     assert max_diff(mirrored.model.get_weights(), mirrored.get_weights()) \
         == 0.0
+
+
+def test_saved_file_resumes_training_like_the_wrapper(cpus, tmp_path):
+    """Only the wrapper is compiled: the `.keras` file still carries the
+    compile configuration and Adam's state, so plain Keras continues the
+    run exactly where the wrapper does."""
+    mirrored, x = _trained(cpus)
+    _, y, _ = data(30)
+    path = tmp_path / "m.keras"
+    mirrored.save(path)
+    loaded = keras.saving.load_model(path, safe_mode=True)
+    assert loaded.compiled
+    assert type(loaded.optimizer) is keras.optimizers.Adam
+    assert int(loaded.optimizer.iterations.numpy()) == \
+        int(mirrored.optimizer.iterations.numpy()) == 10
+    kwargs = dict(batch_size=7, epochs=1, shuffle=False, verbose=0)
+    loaded.fit(x, y, **kwargs)
+    mirrored.fit(x, y, **kwargs)
+    assert max_diff(loaded.get_weights(),
+                    mirrored.model.get_weights()) < 1e-5
+
+
+def test_saving_keeps_the_users_matching_optimizer(cpus, tmp_path):
+    model = mlp()
+    model.compile(optimizer=keras.optimizers.SGD(0.05, momentum=0.9),
+                  loss="mse")
+    user_optimizer = model.optimizer
+    mirrored = keras_mirror.MirroredModel(model, devices=cpus)
+    x, y, _ = data(30)
+    mirrored.fit(x, y, batch_size=7, epochs=1, verbose=0)
+    mirrored.save(tmp_path / "m.keras")
+    assert model.optimizer is user_optimizer
+    assert int(user_optimizer.iterations.numpy()) == 5
+    loaded = keras.saving.load_model(tmp_path / "m.keras")
+    assert loaded.optimizer.get_config()["momentum"] == 0.9
+    np.testing.assert_allclose(loaded.optimizer.variables[-1].numpy(),
+                               mirrored.optimizer.variables[-1].numpy())
