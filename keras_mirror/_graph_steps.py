@@ -144,9 +144,12 @@ def train_step(mirrored, data):
                 shard_loss = tf.cast(mirrored.compute_loss(
                     x=xr, y=yr, y_pred=y_pred, sample_weight=swr,
                     training=True), tf.float32)
-                contribution = _steps.contribution(
-                    shard_loss, _steps._weight_regularization(inner),
-                    shard_rows, rows, r == 0)
+                if len(mirrored.devices) == 1:
+                    contribution = shard_loss  # the whole batch: share 1
+                else:
+                    contribution = _steps.contribution(
+                        shard_loss, _steps._weight_regularization(inner),
+                        shard_rows, rows, r == 0)
                 scaled = optimizer.scale_loss(contribution)
             g = tape.gradient(scaled, variables)
             if r > 0:  # replica 0 holds a row of every non-empty batch
@@ -158,7 +161,7 @@ def train_step(mirrored, data):
         grads.append(g)
         preds.append(y_pred)
         contributions.append(contribution)
-        stats.append(_steps.as_vectors({
+        stats.append({
             "replica_loss": shard_loss,
             "replica_samples": shard_rows,
             "replica_sample_weight": _steps._sample_weight_sum(
@@ -166,9 +169,13 @@ def train_step(mirrored, data):
             "replica_grad_norm": norm,
             "replica_nonfinite": nonfinite,
             "replica_step_time": step_time,
-        }))
+        })
     guard.finish()
     home = mirrored.devices[0]
+    with tf.device(home):
+        # One float32 vector per key, in replica order.
+        stats = {k: tf.stack([tf.cast(s[k], tf.float32) for s in stats])
+                 for k in stats[0]}
     reduced = _sum_gradients(grads, variables, mirrored._gradient_dtype,
                              home)
     with tf.device(home):
@@ -176,20 +183,18 @@ def train_step(mirrored, data):
         if mirrored.on_nonfinite == "warn":
             optimizer.apply(reduced, variables)
         else:
-            total = tf.add_n([s["replica_nonfinite"] for s in stats])
-
             def apply():
                 optimizer.apply(reduced, variables)
                 return tf.constant(True)
 
-            tf.cond(tf.equal(total[0], 0.0), apply,
-                    lambda: tf.constant(False))
+            tf.cond(tf.equal(tf.reduce_sum(stats["replica_nonfinite"]), 0.0),
+                    apply, lambda: tf.constant(False))
         y_pred = _concat(preds)
         tracker = _compat.loss_tracker(mirrored)
         if tracker is not None:
             tracker.update_state(loss, sample_weight=rows)
         logs = dict(mirrored.compute_metrics(x, y, y_pred, sample_weight=sw))
-        logs.update(_concat(stats))
+        logs.update(stats)
     return logs
 
 
