@@ -1,23 +1,40 @@
-"""keras-mirror: exact data-parallel training of an existing Keras model."""
+"""keras-mirror: exact data-parallel training of an existing Keras model.
 
-from keras_mirror import errors
-from keras_mirror.callbacks.replica_tensorboard import ReplicaTensorBoard
-from keras_mirror.callbacks.step_backup import StepBackup
-from keras_mirror.devices import logical_cpus
-from keras_mirror.mirrored_model import MirroredModel
-from keras_mirror.replica_context import ReplicaContext
-from keras_mirror.replica_context import replica_context
-from keras_mirror.saving import load_model
-from keras_mirror.version import __version__
+The public names are imported on first use (PEP 562), so that importing a
+module that needs no TensorFlow, such as `keras_mirror.launch` (the
+`keras-mirror launch` command), does not pay TensorFlow's start-up.
+"""
 
-__all__ = [
-    "MirroredModel",
-    "ReplicaContext",
-    "ReplicaTensorBoard",
-    "StepBackup",
-    "__version__",
-    "errors",
-    "load_model",
-    "logical_cpus",
-    "replica_context",
-]
+import importlib
+
+from keras_mirror.version import __version__ as __version__
+
+_EXPORTS = {
+    "MirroredModel": "keras_mirror.mirrored_model",
+    "ReplicaContext": "keras_mirror.replica_context",
+    "ReplicaTensorBoard": "keras_mirror.callbacks.replica_tensorboard",
+    "StepBackup": "keras_mirror.callbacks.step_backup",
+    "load_model": "keras_mirror.saving",
+    "logical_cpus": "keras_mirror.devices",
+    "replica_context": "keras_mirror.replica_context",
+}
+
+_SUBMODULES = ("allreduce", "callbacks", "cli", "cluster", "demo",
+               "devices", "errors", "launch", "mirrored_model",
+               "replica_context", "saving", "split", "version")
+
+__all__ = sorted([*_EXPORTS, "__version__", "errors"])
+
+
+def __getattr__(name):
+    if name in _EXPORTS:
+        value = getattr(importlib.import_module(_EXPORTS[name]), name)
+        globals()[name] = value
+        return value
+    if name in _SUBMODULES:  # `keras_mirror.cluster.parse_cluster(...)`
+        return importlib.import_module(f"keras_mirror.{name}")
+    raise AttributeError(f"module 'keras_mirror' has no attribute {name!r}")
+
+
+def __dir__():
+    return sorted(set(globals()) | set(__all__))

@@ -285,3 +285,32 @@ def test_busy_port_is_reported(capsys, monkeypatch):
         f"[launcher] worker 0 exited with code 1; its address "
         f"127.0.0.1:{port} is in use by another process"
     ) in err
+
+
+def test_launcher_import_does_not_load_tensorflow():
+    """`keras-mirror launch` only starts processes: importing it must not
+    pay TensorFlow's start-up (seconds), while the public names still
+    resolve on first use."""
+    code = (
+        "import sys, keras_mirror, keras_mirror.launch\n"
+        "assert 'tensorflow' not in sys.modules, 'tensorflow imported'\n"
+        "keras_mirror.cluster.parse_cluster\n"
+        "assert 'tensorflow' not in sys.modules, 'tensorflow via cluster'\n"
+        "assert keras_mirror.MirroredModel.__name__ == 'MirroredModel'\n"
+        "assert 'tensorflow' in sys.modules\n"
+        "assert sorted(keras_mirror.__all__) == sorted(['MirroredModel', "
+        "'ReplicaContext', 'ReplicaTensorBoard', 'StepBackup', "
+        "'__version__', 'errors', 'load_model', 'logical_cpus', "
+        "'replica_context'])\n"
+        "for name in keras_mirror.__all__: getattr(keras_mirror, name)\n"
+        "try:\n"
+        "    keras_mirror.nothing\n"
+        "except AttributeError as e:\n"
+        "    assert str(e) == \"module 'keras_mirror' has no attribute "
+        "'nothing'\"\n"
+        "else:\n"
+        "    raise SystemExit('no AttributeError')\n")
+    env = dict(os.environ, TF_CPP_MIN_LOG_LEVEL="3")
+    done = subprocess.run([sys.executable, "-c", code], capture_output=True,
+                          text=True, timeout=120, env=env)
+    assert done.returncode == 0, done.stderr[-2000:]
