@@ -7,23 +7,26 @@ module that needs no TensorFlow, such as `keras_mirror.launch` (the
 
 import importlib
 
+# `replica_context` is both a submodule and a function: bind the function
+# now, or importing the submodule would leave the module under this name.
+from keras_mirror.replica_context import ReplicaContext as ReplicaContext
+from keras_mirror.replica_context import replica_context as replica_context
 from keras_mirror.version import __version__ as __version__
 
 _EXPORTS = {
     "MirroredModel": "keras_mirror.mirrored_model",
-    "ReplicaContext": "keras_mirror.replica_context",
     "ReplicaTensorBoard": "keras_mirror.callbacks.replica_tensorboard",
     "StepBackup": "keras_mirror.callbacks.step_backup",
     "load_model": "keras_mirror.saving",
     "logical_cpus": "keras_mirror.devices",
-    "replica_context": "keras_mirror.replica_context",
 }
 
 _SUBMODULES = ("allreduce", "callbacks", "cli", "cluster", "demo",
-               "devices", "errors", "launch", "mirrored_model",
-               "replica_context", "saving", "split", "version")
+               "devices", "errors", "launch", "mirrored_model", "saving",
+               "split", "version")
 
-__all__ = sorted([*_EXPORTS, "__version__", "errors"])
+__all__ = sorted([*_EXPORTS, "ReplicaContext", "__version__", "errors",
+                  "replica_context"])
 
 
 def __getattr__(name):

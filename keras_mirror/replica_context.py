@@ -17,7 +17,9 @@ single replica holding the whole batch, so one step function serves both.
 import contextlib
 import threading
 
-import tensorflow as tf
+# TensorFlow is imported where it is used: `keras_mirror/__init__.py` binds
+# `keras_mirror.replica_context` (the function) eagerly, because the name is
+# also this module's, and the package must not load TensorFlow on import.
 
 _LOCAL = threading.local()
 
@@ -71,6 +73,8 @@ class ReplicaContext:
         self._gradient_dtype = gradient_dtype
         self._reduce_error = reduce_error
         if distributed:
+            import tensorflow as tf
+
             self.share = tf.math.divide_no_nan(
                 tf.cast(shard_size, tf.float32),
                 tf.cast(global_batch_size, tf.float32))
@@ -81,6 +85,8 @@ class ReplicaContext:
         """`value * share`, and exactly 0 on an empty shard (never NaN)."""
         if not self.distributed:
             return value
+        import tensorflow as tf
+
         if isinstance(value, tf.IndexedSlices):
             value = tf.convert_to_tensor(value)
         value = tf.convert_to_tensor(value)
@@ -93,6 +99,8 @@ class ReplicaContext:
             return value
         if self._reduce_error is not None:
             raise RuntimeError(self._reduce_error)
+        import tensorflow as tf
+
         ctx = tf.distribute.get_replica_context()
         return ctx.all_reduce(tf.distribute.ReduceOp.SUM, value,
                               options=self._options)
@@ -106,6 +114,8 @@ class ReplicaContext:
         """
         if not self.distributed:
             return value
+        import tensorflow as tf
+
         return self.all_reduce_sum(tf.nest.map_structure(self.weight, value))
 
     def __repr__(self):
