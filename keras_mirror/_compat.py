@@ -56,17 +56,7 @@ def _identity_allreduce(grads_and_vars):
 
 def disable_optimizer_allreduce(optimizer):
     """Stops `optimizer` (and a wrapped inner optimizer) from all-reducing."""
-    for opt in (optimizer, getattr(optimizer, "inner_optimizer", None)):
-        if opt is None:
-            continue
-        if not hasattr(opt, _ALLREDUCE_HOOK):
-            raise RuntimeError(
-                f"This Keras release ({keras.__version__}) has no "
-                f"`{type(opt).__name__}.{_ALLREDUCE_HOOK}`; keras-mirror "
-                "cannot stop the optimizer's own gradient all-reduce. "
-                "Install a supported Keras (see keras_mirror._compat)."
-            )
-        setattr(opt, _ALLREDUCE_HOOK, _identity_allreduce)
+    replace_optimizer_allreduce(optimizer, lambda original: _identity_allreduce)
 
 
 def loss_tracker(model):
@@ -135,7 +125,7 @@ def replace_optimizer_allreduce(optimizer, make_hook):
             raise RuntimeError(
                 f"This Keras release ({keras.__version__}) has no "
                 f"`{type(opt).__name__}.{_ALLREDUCE_HOOK}`; keras-mirror "
-                "cannot weight the gradients of a custom `train_step`. "
+                "cannot replace the optimizer's own gradient all-reduce. "
                 "Install a supported Keras (see keras_mirror._compat).")
         original = getattr(type(opt), _ALLREDUCE_HOOK).__get__(opt)
         setattr(opt, _ALLREDUCE_HOOK, make_hook(original))

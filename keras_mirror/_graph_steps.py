@@ -83,8 +83,10 @@ class _StateGuard:
     and finally keeps replica 0's values, as the `tf.distribute` path does.
     """
 
-    def __init__(self, model):
-        self._variables = list(model.non_trainable_variables)
+    def __init__(self, model, num_replicas):
+        # One replica's writes are the state kept: nothing to guard.
+        self._variables = (list(model.non_trainable_variables)
+                           if num_replicas > 1 else [])
         self._start = [tf.identity(v.value) for v in self._variables]
         self._first = None
 
@@ -130,7 +132,7 @@ def train_step(mirrored, data):
     inner = mirrored._inner
     optimizer = mirrored.optimizer
     variables = inner.trainable_weights
-    guard = _StateGuard(inner)
+    guard = _StateGuard(inner, len(mirrored.devices))
     start, packed = _steps.step_start(packed)
     grads, preds, contributions, stats = [], [], [], []
     for r, (device, shard) in enumerate(

@@ -25,3 +25,25 @@ def data(rows, seed=1, features=6, outputs=3):
 def max_diff(a_weights, b_weights):
     return max(float(np.max(np.abs(a - b)))
                for a, b in zip(a_weights, b_weights))
+
+
+class OwnStep(keras.Model):
+    """One Dense layer and a `train_step` of its own (Keras's, overridden)."""
+
+    def __init__(self, **kwargs):
+        super().__init__(**kwargs)
+        self.dense = keras.layers.Dense(1)
+
+    def call(self, x):
+        return self.dense(x)
+
+    def train_step(self, data):
+        return super().train_step(data)
+
+
+def own_step_model(features=None):
+    """An `OwnStep` model, built for `features` inputs when given."""
+    model = OwnStep()
+    if features is not None:
+        model.build((None, features))
+    return model

@@ -16,6 +16,7 @@ import keras
 import numpy as np
 import pytest
 import tensorflow as tf
+from helpers import own_step_model
 
 import keras_mirror
 from keras_mirror import cluster
@@ -68,22 +69,6 @@ def _scalar_mse(y_true, y_pred):
 
 def _tf_config(text):
     return lambda cpus: cluster.cluster_from_env({"TF_CONFIG": text})
-
-
-class _OwnStepModel(keras.Model):
-    def __init__(self, **kwargs):
-        super().__init__(**kwargs)
-        self.dense = keras.layers.Dense(1)
-
-    def call(self, x):
-        return self.dense(x)
-
-    def train_step(self, data):
-        return super().train_step(data)
-
-
-def _OwnStep():
-    return _OwnStepModel()
 
 
 @dataclasses.dataclass
@@ -149,7 +134,7 @@ CASES = {
     "execution_custom_step": Case(
         "execution", "'in_graph' for a model with its own train_step",
         lambda cpus: keras_mirror.MirroredModel(
-            _OwnStep, cpus, execution="in_graph"),
+            own_step_model, cpus, execution="in_graph"),
         ValueError,
         r"`execution='in_graph'` cannot run a model with its own "
         r"`train_step`.*Received: execution='in_graph'"),

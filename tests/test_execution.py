@@ -15,6 +15,7 @@ import tensorflow as tf
 from helpers import data
 from helpers import max_diff
 from helpers import mlp
+from helpers import own_step_model
 
 import keras_mirror
 
@@ -66,23 +67,9 @@ def test_unknown_execution_is_refused(cpus):
         "Received: execution='graph'")
 
 
-class OwnStep(keras.Model):
-    def __init__(self, **kwargs):
-        super().__init__(**kwargs)
-        self.dense = keras.layers.Dense(1)
-
-    def call(self, x):
-        return self.dense(x)
-
-    def train_step(self, data):
-        return super().train_step(data)
-
-
 def test_custom_train_step_runs_on_the_strategy_path(cpus):
     def model():
-        built = OwnStep()
-        built.build((None, 6))
-        return built
+        return own_step_model(6)
 
     mirrored = keras_mirror.MirroredModel(model, devices=cpus)
     assert mirrored.execution == "strategy"
