@@ -33,6 +33,7 @@ import keras
 import tensorflow as tf
 
 from keras_mirror import _compat
+from keras_mirror import _replica_logs
 from keras_mirror import _steps
 from keras_mirror import allreduce
 from keras_mirror import split
@@ -175,9 +176,8 @@ def train_step(mirrored, data):
     guard.finish()
     home = mirrored.devices[0]
     with tf.device(home):
-        # One float32 vector per key, in replica order.
-        stats = {k: tf.stack([tf.cast(s[k], tf.float32) for s in stats])
-                 for k in stats[0]}
+        nonfinite = tf.add_n([s["replica_nonfinite"] for s in stats])
+        packed_stats = _steps.pack_stats(stats)
     reduced = _sum_gradients(grads, variables, mirrored._gradient_dtype,
                              home)
     with tf.device(home):
@@ -189,14 +189,14 @@ def train_step(mirrored, data):
                 optimizer.apply(reduced, variables)
                 return tf.constant(True)
 
-            tf.cond(tf.equal(tf.reduce_sum(stats["replica_nonfinite"]), 0.0),
+            tf.cond(tf.equal(nonfinite, 0),
                     apply, lambda: tf.constant(False))
         y_pred = _concat(preds)
         tracker = _compat.loss_tracker(mirrored)
         if tracker is not None:
             tracker.update_state(loss, sample_weight=rows)
         logs = dict(mirrored.compute_metrics(x, y, y_pred, sample_weight=sw))
-        logs.update(stats)
+        logs[_replica_logs.PACKED] = packed_stats
     return logs
 
 

@@ -15,19 +15,13 @@ import keras
 import tensorflow as tf
 
 from keras_mirror import _compat
+from keras_mirror import _replica_logs
 from keras_mirror import allreduce
 from keras_mirror import split
 from keras_mirror.replica_context import ReplicaContext
 from keras_mirror.replica_context import activate
 
-REPLICA_KEYS = (
-    "replica_loss",
-    "replica_samples",
-    "replica_sample_weight",
-    "replica_grad_norm",
-    "replica_nonfinite",
-    "replica_step_time",
-)
+REPLICA_KEYS = _replica_logs.STAT_KEYS
 
 
 def _first_leaf(structure):
@@ -143,10 +137,17 @@ def _sample_weight_sum(sw, rows):
                      for w in tf.nest.flatten(sw)])
 
 
-def as_vectors(stats):
-    """Per-replica scalars as float32 vectors of length 1, for gathering."""
-    return {k: tf.reshape(tf.cast(v, tf.float32), [1])
-            for k, v in stats.items()}
+def pack_stats(per_replica):
+    """The replicas' statistics as one float32 `[replicas, keys]` matrix.
+
+    `per_replica` holds one dict of scalars per replica, keyed by
+    `REPLICA_KEYS`; the matrix goes into the logs under
+    `_replica_logs.PACKED` (see there for why one tensor).
+    """
+    scalars = [tf.cast(stats[k], tf.float32)
+               for stats in per_replica for k in REPLICA_KEYS]
+    return tf.reshape(tf.stack(scalars),
+                      [len(per_replica), len(REPLICA_KEYS)])
 
 
 class ReplicaSteps:
@@ -253,7 +254,7 @@ class ReplicaSteps:
             "replica_nonfinite": nonfinite,
             "replica_step_time": step_time,
         }
-        return y_pred, loss, as_vectors(stats)
+        return y_pred, loss, pack_stats([stats])
 
     def _apply(self, grads, variables, total_nonfinite):
         """Applies the all-reduced gradients once, or skips a bad step."""
@@ -293,7 +294,7 @@ class ReplicaSteps:
             tracker.update_state(loss, sample_weight=rows)
         logs = self.compute_metrics(x, y, y_pred, sample_weight=sw)
         logs = dict(logs)
-        logs.update(self._gather(stats))
+        logs[_replica_logs.PACKED] = self._gather(stats)
         return logs
 
     def _sync_state(self):

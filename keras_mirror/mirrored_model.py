@@ -332,6 +332,19 @@ class MirroredModel(_steps.ReplicaSteps, keras.Model):
             return _graph_steps.train_step(self, data)
         return super().train_step(data)
 
+    def make_train_function(self, force=False):
+        """Keras's train function, returning the `replica_*` vectors.
+
+        The built-in step packs its per-replica statistics into one tensor
+        (`_replica_logs.PACKED`); the returned function splits it, so every
+        caller of `train_function` (fit, train_on_batch) sees the vectors.
+        """
+        if self.train_function is not None and not force:
+            return self.train_function
+        super().make_train_function(force=force)
+        self.train_function = _replica_logs.unpacking(self.train_function)
+        return self.train_function
+
     def test_step(self, data):
         if self._custom_step:
             return _custom_step.test_step(self, data)

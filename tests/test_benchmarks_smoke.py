@@ -69,3 +69,28 @@ def test_quick_run_writes_report(tmp_path):
         assert ratio["mirrored_over_native"] > 0
     else:
         assert ratio["mirrored_over_native"] is None
+
+
+OVERHEAD = os.path.join(ROOT, "benchmarks", "bench_overhead.py")
+
+
+@pytest.mark.timeout(TIMEOUT + 5)
+def test_overhead_quick_run_writes_report(tmp_path):
+    out = tmp_path / "overhead"
+    cmd = [sys.executable, OVERHEAD, "--quick", "--models", "mlp",
+           "--out", str(out)]
+    proc = subprocess.run(  # SIGKILL on timeout
+        cmd, cwd=ROOT, capture_output=True, text=True, timeout=TIMEOUT,
+    )
+    assert proc.returncode == 0, proc.stdout[-2000:] + proc.stderr[-2000:]
+    report = json.loads((tmp_path / "overhead.json").read_text())
+    assert (tmp_path / "overhead.md").read_text().startswith(
+        "# bench_overhead")
+    (row,) = report["results"]
+    assert row["model"] == "mlp" and row["execution"] == "in_graph"
+    assert len(report["trials"]) == 2
+    for trial in report["trials"]:
+        assert trial["single_ms"] > 0 and trial["mirrored_ms"] > 0
+        assert trial["ratio"] == pytest.approx(
+            trial["mirrored_ms"] / trial["single_ms"])
+    assert row["ratio_min"] <= row["ratio_median"] <= row["ratio_max"]
