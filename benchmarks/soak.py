@@ -134,8 +134,10 @@ def _probe(every):
 
 
 def _deep_size(obj):
-    """Bytes held by a structure of dicts, lists and scalars."""
+    """Bytes held by a structure of dicts, lists, arrays and scalars."""
     size = sys.getsizeof(obj)
+    if hasattr(obj, "nbytes"):  # arrays, and the StepHistory of "batch"
+        size += obj.nbytes
     if isinstance(obj, dict):
         size += sum(_deep_size(k) + _deep_size(v) for k, v in obj.items())
     elif isinstance(obj, (list, tuple)):

@@ -1,0 +1,108 @@
+"""Host-side bookkeeping of the per-replica logs: unpacking and history."""
+
+import types
+
+import numpy as np
+import pytest
+from helpers import data
+from helpers import mlp
+
+import keras_mirror
+from keras_mirror import _replica_logs
+from keras_mirror._replica_logs import StepHistory
+
+NAMES = tuple(k[len("replica_"):] for k in _replica_logs.STAT_KEYS)
+
+
+def _packed(step, replicas=3):
+    """A `[replicas, keys]` matrix whose values name their place.
+
+    The non-finite counts stay 0 (else the recorder warns).
+    """
+    matrix = np.array([[100 * step + 10 * r + j
+                        for j in range(len(NAMES))] for r in range(replicas)],
+                      dtype=np.float32)
+    matrix[:, NAMES.index("nonfinite")] = 0
+    return matrix
+
+
+def test_unpack_splits_the_packed_matrix_into_vectors():
+    logs = _replica_logs.unpack({"loss": 1.5,
+                                 _replica_logs.PACKED: _packed(2)})
+    assert list(logs) == ["loss", *_replica_logs.STAT_KEYS]
+    for j, key in enumerate(_replica_logs.STAT_KEYS):
+        expected = [0, 0, 0] if key == "replica_nonfinite" else [
+            200 + j, 210 + j, 220 + j]
+        assert logs[key].tolist() == expected
+    plain = {"loss": 1.0, "replica_d_loss": np.ones(2)}
+    assert _replica_logs.unpack(plain) is plain
+
+
+def _recorder(replicas=3, on_nonfinite="warn"):
+    mirrored = types.SimpleNamespace(replica_history={},
+                                     on_nonfinite=on_nonfinite)
+    return mirrored, _replica_logs.ReplicaHistory(mirrored)
+
+
+def test_step_history_reads_like_a_list_of_dicts():
+    mirrored, recorder = _recorder()
+    recorder.on_epoch_begin(0)
+    for step in range(4):
+        recorder.on_train_batch_end(step, _replica_logs.unpack(
+            {"loss": 0.0, _replica_logs.PACKED: _packed(step)}))
+    steps = mirrored.replica_history["batch"]
+    assert isinstance(steps, StepHistory) and len(steps) == 4
+    assert steps[1] == {n: [0, 0, 0] if n == "nonfinite" else
+                        [100 + j, 110 + j, 120 + j]
+                        for j, n in enumerate(NAMES)}
+    assert steps[-1] == steps[3]
+    assert [s["loss"][0] for s in steps] == [0, 100, 200, 300]
+    assert steps[1:3] == [steps[1], steps[2]]
+    np.testing.assert_array_equal(
+        steps.array("samples"),
+        [[100 * s + 10 * r + 1 for r in range(3)] for s in range(4)])
+    # 8 bytes per value, nothing else per step.
+    assert steps.nbytes == 4 * len(NAMES) * 3 * 8
+    with pytest.raises(IndexError, match=r"4 steps recorded\. "
+                       r"Received: index=4"):
+        steps[4]
+    with pytest.raises(KeyError, match=r"No step logged `accuracy`"):
+        steps.array("accuracy")
+
+
+def test_epoch_values_aggregate_the_epoch_steps_only():
+    mirrored, recorder = _recorder(replicas=2)
+    for epoch, rows in enumerate(([3, 1], [2, 2])):
+        recorder.on_epoch_begin(epoch)
+        for step in range(2):
+            matrix = np.zeros((2, len(NAMES)), np.float32)
+            matrix[:, NAMES.index("loss")] = [step + 1, 10 * epoch]
+            matrix[:, NAMES.index("samples")] = rows
+            matrix[:, NAMES.index("grad_norm")] = [2 * step, 4]
+            recorder.on_train_batch_end(step, _replica_logs.unpack(
+                {_replica_logs.PACKED: matrix}))
+        logs = {}
+        recorder.on_epoch_end(epoch, logs)
+        # Sample-weighted loss, summed samples, mean norm, per replica.
+        assert logs["replica_loss"].tolist() == [1.5, 10.0 * epoch]
+        assert logs["replica_samples"].tolist() == [2 * r for r in rows]
+        assert logs["replica_grad_norm"].tolist() == [1.0, 4.0]
+    assert mirrored.replica_history["loss"] == [[1.5, 0.0], [1.5, 10.0]]
+    assert len(mirrored.replica_history["batch"]) == 4
+
+
+def test_fit_fills_the_step_history_in_split_plan_order(cpus):
+    mirrored = keras_mirror.MirroredModel(mlp(), devices=cpus[:3])
+    mirrored.compile(optimizer="sgd", loss="mse")
+    x, y, _ = data(23)
+    mirrored.fit(x, y, batch_size=8, epochs=2, verbose=0)
+    steps = mirrored.replica_history["batch"]
+    assert len(steps) == 6
+    np.testing.assert_array_equal(
+        steps.array("samples"), [mirrored.split_plan(8)] * 2
+        + [mirrored.split_plan(7)] + [mirrored.split_plan(8)] * 2
+        + [mirrored.split_plan(7)])
+    epoch = np.sum([mirrored.split_plan(8)] * 2 + [mirrored.split_plan(7)],
+                   axis=0).tolist()
+    assert epoch == [9, 8, 6]
+    assert mirrored.replica_history["samples"] == [epoch, epoch]
