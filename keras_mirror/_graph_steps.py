@@ -157,9 +157,8 @@ def train_step(mirrored, data):
             g = tape.gradient(scaled, variables)
             if r > 0:  # replica 0 holds a row of every non-empty batch
                 g = _steps.zero_if_empty(g, shard_rows)
+            step_time = _steps.replica_clock(start, g)
             norm, nonfinite = _steps.norm_and_nonfinite(g, shard_loss)
-            with tf.control_dependencies([norm, nonfinite]):
-                step_time = tf.timestamp() - start
         guard.after_replica(r)
         grads.append(g)
         preds.append(y_pred)

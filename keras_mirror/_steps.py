@@ -88,7 +88,7 @@ def step_start(data):
     """Reads the clock once, before any replica's work in the step.
 
     `replica_step_time` is the time from this reading until a replica's
-    gradients (and their norm) are ready. One reading per replica would
+    gradients are ready. One reading per replica would
     serialise the replicas: inside a `tf.function`, TensorFlow runs stateful
     ops without resource inputs (`tf.timestamp`) in program order, so a
     replica's start would wait for the previous replica's end. The end
@@ -105,18 +105,40 @@ def step_start(data):
 def norm_and_nonfinite(grads, shard_loss):
     """The global norm of `grads` and the count of non-finite values.
 
-    A norm that is finite, with a finite loss, proves every value finite
-    (a NaN or Inf makes the sum of squares non-finite), so the exact count,
-    which reads every gradient once more, runs only when it can be nonzero.
+    A finite sum of squares plus loss proves every value finite (a NaN or
+    Inf makes it non-finite), so the exact count, which reads every gradient
+    once more, runs only when it can be nonzero (or when the sum overflows,
+    where the count comes out 0). The check reads the sum of squares, not
+    the norm, so that it does not wait for the square root: both statistics
+    end the step, and every level of ops between the gradients and the
+    step's outputs lengthens it.
     """
     dense = [tf.convert_to_tensor(g) for g in grads if g is not None]
-    norm = tf.linalg.global_norm(dense)
     shard_loss = tf.convert_to_tensor(shard_loss)
-    finite = tf.logical_and(tf.math.is_finite(norm),
-                            tf.reduce_all(tf.math.is_finite(shard_loss)))
+    if dense:
+        # `tf.linalg.global_norm`'s own formula, with the sum kept.
+        half_squares = tf.add_n([tf.cast(tf.nn.l2_loss(g), tf.float32)
+                                 for g in dense])
+        norm = tf.sqrt(2.0 * half_squares)
+    else:
+        half_squares = norm = tf.zeros((), tf.float32)
+    finite = tf.math.is_finite(
+        half_squares + tf.reduce_sum(tf.cast(shard_loss, tf.float32)))
     nonfinite = tf.cond(finite, lambda: tf.zeros((), tf.int32),
                         lambda: _count_nonfinite(dense + [shard_loss]))
     return norm, nonfinite
+
+
+def replica_clock(start, grads):
+    """Seconds from `start` until `grads` are ready (`replica_step_time`).
+
+    The reading waits for the gradients only, not for their statistics, so
+    that it does not add a level of ops to the end of the step.
+    """
+    ready = [g for g in tf.nest.flatten(grads, expand_composites=True)
+             if g is not None]
+    with tf.control_dependencies(ready):
+        return tf.timestamp() - start
 
 
 def contribution(shard_loss, reg, rows, global_rows, is_first):
@@ -236,9 +258,8 @@ class ReplicaSteps:
                 x, y, y_pred, sw, True, global_rows)
             scaled = self.optimizer.scale_loss(contribution)
         grads = zero_if_empty(tape.gradient(scaled, variables), rows)
+        step_time = replica_clock(start, grads)
         norm, nonfinite = norm_and_nonfinite(grads, shard)
-        with tf.control_dependencies([norm, nonfinite]):
-            step_time = tf.timestamp() - start
         reduced = allreduce.all_reduce_sum(
             grads, self._comm_options, self._gradient_dtype)
         ctx = tf.distribute.get_replica_context()
