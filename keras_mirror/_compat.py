@@ -1,9 +1,11 @@
-"""Every private Keras attribute that keras-mirror relies on, in one place.
+"""Every private Keras and TensorFlow attribute keras-mirror relies on.
 
 Keras 3 has no public hook for two things that exact data-parallel training
-needs. Each access below says why; `tests/test_compat.py` has one test per
-attribute, so that a Keras release that renames or removes one fails loudly
-there instead of silently counting gradients `N` times.
+needs, and TensorFlow's `MultiWorkerMirroredStrategy` none for choosing a
+worker's devices. Each access below says why; `tests/test_compat.py` has one
+test per attribute, so that a Keras or TensorFlow release that renames or
+removes one fails loudly there instead of silently counting gradients `N`
+times or training on the wrong devices.
 
 Supported range: Keras 3.14 and 3.15 (3.14 brought the 2025-2026 fixes to
 safe-mode loading that keras-mirror's saving relies on).
@@ -134,3 +136,62 @@ def replace_optimizer_allreduce(optimizer, make_hook):
 def symbolic_build(model, data_batch):
     """Builds the model, compiled loss and compiled metrics from a batch."""
     getattr(model, _SYMBOLIC_BUILD)(data_batch=data_batch)
+
+
+# -- tf.distribute's multi-worker strategy (keras_mirror.devices) ------------
+
+# `MultiWorkerMirroredStrategy` takes no device list: it puts one replica on
+# `CPU:0` of a worker without GPUs, and one on every GPU otherwise. To give a
+# worker exactly the devices asked for (2 logical CPUs per worker for
+# development and CI, or a subset of its GPUs), keras-mirror subclasses the
+# strategy's extended class and overrides its local-device discovery, which
+# `__init__` calls with the worker's device prefix
+# (`/job:worker/task:i`) and which returns `(devices, device_type)`.
+_TF_COLLECTIVE_MODULE = (
+    "tensorflow.python.distribute.collective_all_reduce_strategy")
+_TF_COLLECTIVE_EXTENDED = "CollectiveAllReduceExtended"
+_TF_LOCAL_DEVICES_HOOK = "_initialize_local_devices"
+# The same prefix, kept by the extended strategy: it tells which of the
+# logical devices TensorFlow lists (every worker's, once a cluster is up) are
+# this process's own.
+_TF_WORKER_DEVICE = "_worker_device"
+
+
+def _collective_extended_base():
+    import importlib
+
+    module = importlib.import_module(_TF_COLLECTIVE_MODULE)
+    base = getattr(module, _TF_COLLECTIVE_EXTENDED, None)
+    if base is None or not hasattr(base, _TF_LOCAL_DEVICES_HOOK):
+        import tensorflow as tf
+
+        raise RuntimeError(
+            f"This TensorFlow release ({tf.__version__}) has no "
+            f"`{_TF_COLLECTIVE_EXTENDED}.{_TF_LOCAL_DEVICES_HOOK}`; "
+            "keras-mirror cannot choose a worker's devices for "
+            "MultiWorkerMirroredStrategy. Install a supported TensorFlow "
+            "(see keras_mirror._compat).")
+    return base
+
+
+def collective_extended_on(device_type, indices):
+    """A `CollectiveAllReduceExtended` whose replicas are the given devices.
+
+    The worker's replicas are `<worker>/device:<device_type>:<i>` for each
+    `i` in `indices`, in that order.
+    """
+    indices = tuple(indices)
+
+    def local_devices(self, cluster_resolver, worker_device):
+        del cluster_resolver  # the devices are given
+        return tuple(f"{worker_device}/device:{device_type}:{i}"
+                     for i in indices), device_type
+
+    return type("CollectiveAllReduceExtendedOnDevices",
+                (_collective_extended_base(),),
+                {_TF_LOCAL_DEVICES_HOOK: local_devices})
+
+
+def worker_device(strategy):
+    """The worker device prefix (`/job:worker/task:i`) of `strategy`."""
+    return getattr(strategy.extended, _TF_WORKER_DEVICE)

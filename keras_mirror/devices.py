@@ -4,6 +4,7 @@ import threading
 
 import tensorflow as tf
 
+from keras_mirror import _compat
 from keras_mirror import errors
 
 _STRATEGIES = {}
@@ -65,7 +66,7 @@ def _local_logical_devices(kind=None):
     for key, strategy in list(_STRATEGIES.items()):
         if key[0] == "multi_worker":
             worker = tf.DeviceSpec.from_string(
-                strategy.extended._worker_device)
+                _compat.worker_device(strategy))
     found = tf.config.list_logical_devices(kind)
     if worker is None:
         return found
@@ -219,18 +220,14 @@ def multi_worker_strategy(spec, devices, communication_options=None):
 
     TensorFlow's `MultiWorkerMirroredStrategy` puts one replica on `CPU:0`
     of each worker when it has no GPU, and on every GPU otherwise; it takes
-    no device list. keras-mirror overrides its local-device discovery (one
-    private hook, `CollectiveAllReduceExtended._initialize_local_devices`)
-    so that a worker's replicas are exactly `devices` (e.g. 2 logical CPUs
-    per worker for development). Building the strategy starts this
+    no device list. keras-mirror overrides its local-device discovery (a
+    private hook, kept in `_compat.collective_extended_on`) so that a
+    worker's replicas are exactly `devices` (e.g. 2 logical CPUs per worker
+    for development). Building the strategy starts this
     worker's gRPC server and waits until every peer has joined. One
     strategy is cached per process: a second one would collide on
     collective keys and cannot restart the server.
     """
-    from tensorflow.python.distribute import (
-        collective_all_reduce_strategy as cars,  # noqa: E501 (the device hook is private)
-    )
-
     kinds = {_local_index(d)[0] for d in devices}
     if len(kinds) != 1:
         raise errors.DeviceError(
@@ -260,17 +257,13 @@ def multi_worker_strategy(spec, devices, communication_options=None):
                     f"Received: devices={list(devices)!r}")
             return strategy
 
-        class _Extended(cars.CollectiveAllReduceExtended):
-            def _initialize_local_devices(self, cluster_resolver,
-                                          worker_device):
-                return tuple(f"{worker_device}/device:{kind}:{i}"
-                             for i in indices), kind
+        extended = _compat.collective_extended_on(kind, indices)
 
         class _Strategy(tf.distribute.MultiWorkerMirroredStrategy):
             def __init__(self, resolver, options):
                 tf.distribute.Strategy.__init__(
-                    self, _Extended(self, cluster_resolver=resolver,
-                                    communication_options=options))
+                    self, extended(self, cluster_resolver=resolver,
+                                   communication_options=options))
 
         jobs = {"worker": list(spec.workers)}
         if spec.chief is not None:

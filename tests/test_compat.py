@@ -78,3 +78,41 @@ def test_loss_scalers_exist_and_divide_by_replicas(cpus):
 
 def test_symbolic_build_exists():
     assert callable(getattr(keras.Model, _compat._SYMBOLIC_BUILD))
+
+
+def _collective_base():
+    import importlib
+
+    module = importlib.import_module(_compat._TF_COLLECTIVE_MODULE)
+    return getattr(module, _compat._TF_COLLECTIVE_EXTENDED)
+
+
+def test_multi_worker_device_hook_exists_and_is_called():
+    import inspect
+
+    base = _collective_base()
+    hook = getattr(base, _compat._TF_LOCAL_DEVICES_HOOK)
+    assert list(inspect.signature(hook).parameters) == [
+        "self", "cluster_resolver", "worker_device"]
+    # TensorFlow's constructor asks the hook for the worker's devices.
+    source = inspect.getsource(base)
+    assert f"self.{_compat._TF_LOCAL_DEVICES_HOOK}(" in source
+    extended = _compat.collective_extended_on("CPU", [2, 0])
+    assert issubclass(extended, base)
+    devices, kind = getattr(extended, _compat._TF_LOCAL_DEVICES_HOOK)(
+        None, None, "/job:worker/task:1")
+    assert devices == ("/job:worker/task:1/device:CPU:2",
+                       "/job:worker/task:1/device:CPU:0")
+    assert kind == "CPU"
+
+
+def test_multi_worker_strategy_keeps_its_worker_device():
+    import inspect
+
+    # Set in `CollectiveAllReduceExtended._initialize_multi_worker`; read
+    # by `_compat.worker_device` (the multi-worker tests run it for real).
+    source = inspect.getsource(_collective_base())
+    assert f"self.{_compat._TF_WORKER_DEVICE} = " in source
+    fake = type("S", (), {"extended": type(
+        "E", (), {_compat._TF_WORKER_DEVICE: "/job:worker/task:3"})()})()
+    assert _compat.worker_device(fake) == "/job:worker/task:3"
