@@ -138,6 +138,42 @@ def symbolic_build(model, data_batch):
     getattr(model, _SYMBOLIC_BUILD)(data_batch=data_batch)
 
 
+# -- masks (keras_mirror._steps, _graph_steps) ------------------------------
+
+# A masking layer (`Embedding(mask_zero=True)`, `Masking`) marks its output
+# with a mask that Keras keeps on the tensor itself; the compiled loss divides
+# a masked output's loss by the number of unmasked entries, and the compiled
+# metrics skip masked entries. keras-mirror reads each shard's mask to weight
+# the shard by its share of the unmasked entries (not of the rows), and sets
+# the concatenated mask on the concatenated predictions, so that loss and
+# metrics equal one device's. Keras exposes no public accessor for it.
+_MASK_MODULE = "keras.src.backend.common.masking"
+
+
+def _masking():
+    import importlib
+
+    module = importlib.import_module(_MASK_MODULE)
+    for name in ("get_keras_mask", "set_keras_mask"):
+        if not hasattr(module, name):
+            raise RuntimeError(
+                f"This Keras release ({keras.__version__}) has no "
+                f"`{_MASK_MODULE}.{name}`; keras-mirror cannot weight masked "
+                "losses exactly. Install a supported Keras (see "
+                "keras_mirror._compat).")
+    return module
+
+
+def get_mask(tensor):
+    """The Keras mask of `tensor`, or None."""
+    return _masking().get_keras_mask(tensor)
+
+
+def set_mask(tensor, mask):
+    """Marks `tensor` with the Keras mask `mask` (in place)."""
+    _masking().set_keras_mask(tensor, mask)
+
+
 # -- tf.distribute's multi-worker strategy (keras_mirror.devices) ------------
 
 # `MultiWorkerMirroredStrategy` takes no device list: it puts one replica on

@@ -69,10 +69,25 @@ def _shards(mirrored, data, rows):
     return shards
 
 
-def _concat(parts):
+def _concat(parts, masks=None):
+    """The shards' predictions in replica order, with their mask if any."""
     if len(parts) == 1:
         return parts[0]
-    return tf.nest.map_structure(lambda *p: tf.concat(p, axis=0), *parts)
+    joined = tf.nest.map_structure(lambda *p: tf.concat(p, axis=0), *parts)
+    if masks and masks[0] is not None:
+        _steps.with_mask(joined, tf.concat(masks, axis=0))
+    return joined
+
+
+def _shares(masks, shard_rows, rows):
+    """Each shard's count to weight its loss by, and their total.
+
+    Rows, or a masked output's unmasked entries (`_steps.share_counts`).
+    """
+    if masks[0] is None:
+        return shard_rows, rows
+    counts = [tf.reduce_sum(tf.cast(m, tf.float32)) for m in masks]
+    return counts, tf.add_n(counts)
 
 
 class _StateGuard:
@@ -115,7 +130,10 @@ def _sum_gradients(per_replica, variables, gradient_dtype, device):
         if not parts:
             summed.append(None)
             continue
-        parts = [tf.convert_to_tensor(p) for p in parts]  # IndexedSlices
+        if all(isinstance(p, tf.IndexedSlices) for p in parts):
+            summed.append(_gather_slices(parts, wire, device))
+            continue
+        parts = [tf.convert_to_tensor(p) for p in parts]
         dtype = parts[0].dtype
         if wire is not None and dtype.is_floating:
             parts = [tf.cast(p, wire) for p in parts]
@@ -124,6 +142,24 @@ def _sum_gradients(per_replica, variables, gradient_dtype, device):
             summed.append(tf.cast(total, dtype) if total.dtype != dtype
                           else total)
     return summed
+
+
+def _gather_slices(parts, wire, device):
+    """Sparse gradients (Embedding) are joined, not summed.
+
+    The optimizer then sees every row's values, duplicates included, as on
+    one device (`allreduce._all_gather_slices` on the strategy path).
+    """
+    dtype = parts[0].values.dtype
+    values = [p.values for p in parts]
+    if wire is not None and dtype.is_floating:
+        values = [tf.cast(v, wire) for v in values]
+    with tf.device(device):
+        joined = tf.concat(values, axis=0) if len(values) > 1 else values[0]
+        if joined.dtype != dtype:
+            joined = tf.cast(joined, dtype)
+        indices = tf.concat([p.indices for p in parts], axis=0)
+    return tf.IndexedSlices(joined, indices, parts[0].dense_shape)
 
 
 def train_step(mirrored, data):
@@ -135,33 +171,46 @@ def train_step(mirrored, data):
     variables = inner.trainable_weights
     guard = _StateGuard(inner, len(mirrored.devices))
     start, packed = _steps.step_start(packed)
-    grads, preds, contributions, stats = [], [], [], []
+    n = len(mirrored.devices)
+    # Forward passes first: a masked output's shares need every shard's
+    # count of unmasked entries. Each replica's tape is entered again to
+    # record its share of the loss.
+    tapes, shard_losses, preds, masks, parts = [], [], [], [], []
     for r, (device, shard) in enumerate(
             zip(mirrored.devices, _shards(mirrored, packed, rows))):
         xr, yr, swr = mirrored._unpack(shard, present)
         with tf.device(device):
             shard_rows = _steps._batch_size(xr)
-            with tf.GradientTape() as tape, _context(mirrored, r,
-                                                     shard_rows, rows):
+            tape = tf.GradientTape()
+            with tape, _context(mirrored, r, shard_rows, rows):
                 y_pred = inner(xr, training=True)
-                shard_loss = tf.cast(mirrored.compute_loss(
+                shard_losses.append(tf.cast(mirrored.compute_loss(
                     x=xr, y=yr, y_pred=y_pred, sample_weight=swr,
-                    training=True), tf.float32)
-                if len(mirrored.devices) == 1:
+                    training=True), tf.float32))
+        guard.after_replica(r)
+        tapes.append(tape)
+        preds.append(y_pred)
+        masks.append(_steps.output_mask(y_pred) if n > 1 else None)
+        parts.append((device, shard_rows, swr))
+    counts, total = _shares(masks, [p[1] for p in parts], rows)
+    grads, contributions, stats = [], [], []
+    for r, ((device, shard_rows, swr), tape, shard_loss) in enumerate(
+            zip(parts, tapes, shard_losses)):
+        with tf.device(device):
+            with tape:
+                if n == 1:
                     contribution = shard_loss  # the whole batch: share 1
                 else:
                     contribution = _steps.contribution(
                         shard_loss, _steps._weight_regularization(inner),
-                        shard_rows, rows, r == 0)
+                        counts[r], total, r == 0)
                 scaled = optimizer.scale_loss(contribution)
             g = tape.gradient(scaled, variables)
             if r > 0:  # replica 0 holds a row of every non-empty batch
                 g = _steps.zero_if_empty(g, shard_rows)
             step_time = _steps.replica_clock(start, g)
             norm, nonfinite = _steps.norm_and_nonfinite(g, shard_loss)
-        guard.after_replica(r)
         grads.append(g)
-        preds.append(y_pred)
         contributions.append(contribution)
         stats.append({
             "replica_loss": shard_loss,
@@ -190,7 +239,7 @@ def train_step(mirrored, data):
 
             tf.cond(tf.equal(nonfinite, 0),
                     apply, lambda: tf.constant(False))
-        y_pred = _concat(preds)
+        y_pred = _concat(preds, masks)
         tracker = _compat.loss_tracker(mirrored)
         if tracker is not None:
             tracker.update_state(loss, sample_weight=rows)
@@ -204,22 +253,30 @@ def test_step(mirrored, data):
     rows = _steps._batch_size(x)
     packed, present = mirrored._pack(x, y, sw)
     inner = mirrored._inner
-    preds, contributions = [], []
+    preds, shard_losses, masks, shard_rows = [], [], [], []
     for r, (device, shard) in enumerate(
             zip(mirrored.devices, _shards(mirrored, packed, rows))):
         xr, yr, swr = mirrored._unpack(shard, present)
         with tf.device(device), _context(mirrored, r, _steps._batch_size(xr),
                                          rows):
             y_pred = inner(xr, training=False)
-            shard_loss = tf.cast(mirrored.compute_loss(
+            shard_losses.append(tf.cast(mirrored.compute_loss(
                 x=xr, y=yr, y_pred=y_pred, sample_weight=swr,
-                training=False), tf.float32)
+                training=False), tf.float32))
+            shard_rows.append(_steps._batch_size(xr))
+        preds.append(y_pred)
+        masks.append(_steps.output_mask(y_pred)
+                     if len(mirrored.devices) > 1 else None)
+    counts, total = _shares(masks, shard_rows, rows)
+    contributions = []
+    for r, (device, shard_loss) in enumerate(
+            zip(mirrored.devices, shard_losses)):
+        with tf.device(device):
             contributions.append(_steps.contribution(
                 shard_loss, _steps._weight_regularization(inner),
-                _steps._batch_size(xr), rows, r == 0))
-        preds.append(y_pred)
+                counts[r], total, r == 0))
     with tf.device(mirrored.devices[0]):
-        y_pred = _concat(preds)
+        y_pred = _concat(preds, masks)
         tracker = _compat.loss_tracker(mirrored)
         if tracker is not None:
             tracker.update_state(tf.add_n(contributions), sample_weight=rows)

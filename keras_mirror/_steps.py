@@ -11,6 +11,8 @@ sum is the single-device gradient.
 """
 
 
+import warnings
+
 import keras
 import tensorflow as tf
 
@@ -71,15 +73,20 @@ def zero_if_empty(grads, rows):
     0 in exact arithmetic; in floating point a layer can still produce
     `0 * NaN` (BatchNormalization's mean of no rows is NaN), which would
     poison the all-reduced gradient. One `cond` per replica replaces them.
+    Sparse gradients (`tf.IndexedSlices`, from `Embedding`) stay sparse:
+    their values are replaced.
     """
     present = [i for i, g in enumerate(grads) if g is not None]
     if not present:
         return grads
-    dense = [tf.convert_to_tensor(grads[i]) for i in present]
+    dense = [grads[i].values if isinstance(grads[i], tf.IndexedSlices)
+             else tf.convert_to_tensor(grads[i]) for i in present]
     kept = tf.cond(rows > 0, lambda: dense,
                    lambda: [tf.zeros_like(g) for g in dense])
     out = list(grads)
     for i, g in zip(present, kept):
+        if isinstance(grads[i], tf.IndexedSlices):
+            g = tf.IndexedSlices(g, grads[i].indices, grads[i].dense_shape)
         out[i] = g
     return out
 
@@ -150,6 +157,49 @@ def contribution(shard_loss, reg, rows, global_rows, is_first):
                                   tf.cast(global_rows, tf.float32))
     first = tf.cast(is_first, tf.float32)
     return (shard_loss - reg) * share + reg * first
+
+
+def output_mask(y_pred):
+    """The Keras mask of a single masked output, else None.
+
+    Keras divides a masked output's loss by its unmasked entries, not by
+    its rows, so a shard's share of the global loss is its share of the
+    unmasked entries. That holds for one output; a model with several
+    outputs and a mask on any of them is weighted by rows (not exact),
+    with a warning.
+    """
+    leaves = tf.nest.flatten(y_pred)
+    masks = [_compat.get_mask(t) for t in leaves]
+    if all(m is None for m in masks):
+        return None
+    if len(leaves) > 1:
+        warnings.warn(
+            "keras-mirror weights each replica's loss by its rows; a model "
+            "with several outputs and a mask on one of them divides that "
+            "output's loss by its unmasked entries, so its replicated loss "
+            "and gradients are not exactly one device's. Single-output "
+            "masked models are exact.", UserWarning, stacklevel=2)
+        return None
+    return masks[0]
+
+
+def share_counts(mask, rows, global_rows, reduce_sum):
+    """`(count, global count)` to weight a shard's loss by.
+
+    Rows for an unmasked output; unmasked entries for a masked one, summed
+    over all replicas by `reduce_sum`.
+    """
+    if mask is None:
+        return rows, global_rows
+    count = tf.reduce_sum(tf.cast(mask, tf.float32))
+    return count, reduce_sum(count)
+
+
+def with_mask(y_pred, mask):
+    """`y_pred` (concatenated over shards) carrying the concatenated mask."""
+    if mask is not None:
+        _compat.set_mask(y_pred, mask)
+    return y_pred
 
 
 def _sample_weight_sum(sw, rows):
@@ -232,11 +282,11 @@ class ReplicaSteps:
 
     # -- losses ------------------------------------------------------------
 
-    def _replica_loss(self, x, y, y_pred, sw, training, global_rows):
+    def _replica_loss(self, x, y, y_pred, sw, training, global_rows,
+                      mask=None):
         """Returns (contribution to the global loss, shard loss)."""
         ctx = tf.distribute.get_replica_context()
         n = tf.cast(ctx.num_replicas_in_sync, tf.float32)
-        rows = tf.cast(_batch_size(x), tf.float32)
         # Keras divides losses by the replica count inside a strategy;
         # multiplying back gives the shard's own single-device loss.
         shard = tf.cast(
@@ -244,7 +294,21 @@ class ReplicaSteps:
                               training=training), tf.float32) * n
         reg = _weight_regularization(self._inner)
         first = tf.equal(ctx.replica_id_in_sync_group, 0)
-        return contribution(shard, reg, rows, global_rows, first), shard
+        count, total = share_counts(
+            mask, _batch_size(x), global_rows,
+            lambda c: ctx.all_reduce(tf.distribute.ReduceOp.SUM, c))
+        return contribution(shard, reg, count, total, first), shard
+
+    def _with_mask(self, y_pred, mask):
+        """`(y_pred, its mask)` to gather, noting whether there is one."""
+        self._output_masked = mask is not None
+        return (y_pred, mask) if mask is not None else y_pred
+
+    def _gather_predictions(self, y_pred):
+        gathered = self._gather(y_pred)
+        if getattr(self, "_output_masked", False):
+            return with_mask(*gathered)
+        return gathered
 
     # -- train -------------------------------------------------------------
 
@@ -254,8 +318,9 @@ class ReplicaSteps:
         variables = self._inner.trainable_weights
         with tf.GradientTape() as tape, self._context(global_rows, x):
             y_pred = self._inner(x, training=True)
+            mask = output_mask(y_pred)
             contribution, shard = self._replica_loss(
-                x, y, y_pred, sw, True, global_rows)
+                x, y, y_pred, sw, True, global_rows, mask)
             scaled = self.optimizer.scale_loss(contribution)
         grads = zero_if_empty(tape.gradient(scaled, variables), rows)
         step_time = replica_clock(start, grads)
@@ -275,7 +340,7 @@ class ReplicaSteps:
             "replica_nonfinite": nonfinite,
             "replica_step_time": step_time,
         }
-        return y_pred, loss, pack_stats([stats])
+        return self._with_mask(y_pred, mask), loss, pack_stats([stats])
 
     def _apply(self, grads, variables, total_nonfinite):
         """Applies the all-reduced gradients once, or skips a bad step."""
@@ -308,7 +373,7 @@ class ReplicaSteps:
         y_pred, loss, stats = self._strategy.run(
             self._replica_train, args=(shards, present, rows, start))
         self._sync_state()
-        y_pred = self._gather(y_pred)
+        y_pred = self._gather_predictions(y_pred)
         loss = self._first(loss)
         tracker = _compat.loss_tracker(self)
         if tracker is not None:
@@ -339,11 +404,12 @@ class ReplicaSteps:
         x, y, sw = self._unpack(packed, present)
         with self._context(global_rows, x):
             y_pred = self._inner(x, training=False)
+        mask = output_mask(y_pred)
         contribution, shard = self._replica_loss(
-            x, y, y_pred, sw, False, global_rows)
+            x, y, y_pred, sw, False, global_rows, mask)
         ctx = tf.distribute.get_replica_context()
         loss = ctx.all_reduce(tf.distribute.ReduceOp.SUM, contribution)
-        return y_pred, loss
+        return self._with_mask(y_pred, mask), loss
 
     def test_step(self, data):
         x, y, sw = keras.utils.unpack_x_y_sample_weight(data)
@@ -352,7 +418,7 @@ class ReplicaSteps:
         shards = self._distribute(packed, self._plan_sizes(rows))
         y_pred, loss = self._strategy.run(
             self._replica_test, args=(shards, present, rows))
-        y_pred = self._gather(y_pred)
+        y_pred = self._gather_predictions(y_pred)
         tracker = _compat.loss_tracker(self)
         if tracker is not None:
             tracker.update_state(self._first(loss), sample_weight=rows)

@@ -67,17 +67,25 @@ def all_reduce_sum(grads, options=None, gradient_dtype=None):
     """
     ctx = tf.distribute.get_replica_context()
     wire = _DTYPES[gradient_dtype]
-    present = [i for i, g in enumerate(grads) if g is not None]
+    out = list(grads)
+    present = []
+    for i, g in enumerate(grads):
+        if isinstance(g, tf.IndexedSlices):
+            # Sparse gradients (Embedding) are gathered, not summed: the
+            # optimizer then sees every row's values, duplicates included,
+            # as on one device (Adam squares the values before summing
+            # duplicate rows, so a dense sum would update differently).
+            out[i] = _all_gather_slices(ctx, g, wire, options)
+        elif g is not None:
+            present.append(i)
     values = []
     for i in present:
         g = grads[i]
-        if isinstance(g, tf.IndexedSlices):
-            g = tf.convert_to_tensor(g)
         if wire is not None and g.dtype.is_floating:
             g = tf.cast(g, wire)
         values.append(g)
     if not values:
-        return list(grads)
+        return out
     reduced = [None] * len(values)
     pack_bytes = options.bytes_per_pack if options is not None else 0
     for bucket in buckets([(v.shape.num_elements() or 0) * v.dtype.size
@@ -88,10 +96,22 @@ def all_reduce_sum(grads, options=None, gradient_dtype=None):
                               [values[i] for i in bucket], options=options)
         for i, r in zip(bucket, sums):
             reduced[i] = r
-    out = list(grads)
     for i, r in zip(present, reduced):
         out[i] = tf.cast(r, grads[i].dtype) if r.dtype != grads[i].dtype else r
     return out
+
+
+def _all_gather_slices(ctx, slices, wire, options):
+    """Every replica's rows of a sparse gradient, in replica order."""
+    dtype = slices.values.dtype
+    values = slices.values
+    if wire is not None and dtype.is_floating:
+        values = tf.cast(values, wire)
+    values = ctx.all_gather(values, axis=0, options=options)
+    indices = ctx.all_gather(slices.indices, axis=0, options=options)
+    if values.dtype != dtype:
+        values = tf.cast(values, dtype)
+    return tf.IndexedSlices(values, indices, slices.dense_shape)
 
 
 def buckets(sizes, bytes_per_pack):

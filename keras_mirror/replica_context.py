@@ -87,8 +87,9 @@ class ReplicaContext:
             return value
         import tensorflow as tf
 
-        if isinstance(value, tf.IndexedSlices):
-            value = tf.convert_to_tensor(value)
+        if isinstance(value, tf.IndexedSlices):  # sparse stays sparse
+            return tf.IndexedSlices(self.weight(value.values), value.indices,
+                                    value.dense_shape)
         value = tf.convert_to_tensor(value)
         share = tf.cast(self.share, value.dtype)
         return tf.where(share > 0, value * share, tf.zeros_like(value))

@@ -116,3 +116,18 @@ def test_multi_worker_strategy_keeps_its_worker_device():
     fake = type("S", (), {"extended": type(
         "E", (), {_compat._TF_WORKER_DEVICE: "/job:worker/task:3"})()})()
     assert _compat.worker_device(fake) == "/job:worker/task:3"
+
+
+def test_masks_are_read_and_set_on_tensors_and_reach_losses():
+    embedded = keras.layers.Embedding(5, 2, mask_zero=True)(
+        tf.constant([[1, 0, 2]]))
+    np.testing.assert_array_equal(_compat.get_mask(embedded),
+                                  [[True, False, True]])
+    assert _compat.get_mask(tf.zeros((1, 3))) is None
+    # A mask set by `set_mask` is the one Keras's losses divide by.
+    y_pred = tf.constant([[[1.0], [5.0], [3.0]]])
+    _compat.set_mask(y_pred, tf.constant([[True, False, True]]))
+    assert _compat.get_mask(y_pred) is not None
+    value = keras.losses.MeanSquaredError()(tf.zeros((1, 3, 1)), y_pred)
+    # Unmasked entries only: (1 + 9) / 2.
+    assert float(value) == pytest.approx(5.0)

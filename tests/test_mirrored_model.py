@@ -375,3 +375,101 @@ def test_the_step_packs_its_statistics_into_one_output(cpus):
     assert packed.shape == (2, len(_replica_logs.STAT_KEYS))
     samples = _replica_logs.STAT_KEYS.index("replica_samples")
     assert packed.numpy()[:, samples].tolist() == [3, 2]
+
+
+def _masked_model():
+    keras.utils.set_random_seed(0)
+    model = keras.Sequential([
+        keras.Input((6,), dtype="int32"),
+        keras.layers.Embedding(10, 4, mask_zero=True),
+        keras.layers.Dense(3),
+    ])
+    model.compile(
+        optimizer=keras.optimizers.Adam(0.05),
+        loss=keras.losses.SparseCategoricalCrossentropy(from_logits=True),
+        metrics=["accuracy"])
+    return model
+
+
+def _masked_data(rows, seed=0):
+    rng = np.random.default_rng(seed)
+    x = rng.integers(1, 10, size=(rows, 6)).astype("int32")
+    # Padding grows down the batch, so replicas see very different counts
+    # of unmasked entries (all of a row padded, in some).
+    for i in range(rows):
+        x[i, 6 - (i % 7):] = 0
+    y = rng.integers(0, 3, size=(rows, 6)).astype("int32")
+    sw = rng.uniform(0.5, 2.0, size=(rows, 6)).astype("float32")
+    return x, y, sw
+
+
+def test_masked_loss_and_metrics_equal_single_device(cpus):
+    # Keras divides a masked output's loss by its unmasked entries and skips
+    # masked entries in metrics: shards are weighted by their unmasked
+    # entries, and the global predictions carry the shards' masks.
+    reference = _masked_model()
+    mirrored = keras_mirror.MirroredModel(_masked_model(), devices=cpus[:3])
+    x, y, sw = _masked_data(19)
+    for rows in (8, 7, 4):  # uneven shards, one of them with no entries
+        sl = slice(0, rows)
+        ref = reference.train_on_batch(x[sl], y[sl], sample_weight=sw[sl],
+                                       return_dict=True)
+        got = mirrored.train_on_batch(x[sl], y[sl], sample_weight=sw[sl],
+                                      return_dict=True)
+        assert got["loss"] == pytest.approx(ref["loss"], rel=1e-5)
+        assert got["accuracy"] == pytest.approx(ref["accuracy"], rel=1e-6)
+        x, y, sw = np.roll(x, 5, 0), np.roll(y, 5, 0), np.roll(sw, 5, 0)
+    assert max_diff(reference.get_weights(),
+                    mirrored.model.get_weights()) < 1e-5
+    ref = reference.evaluate(x, y, sample_weight=sw, batch_size=7,
+                             verbose=0, return_dict=True)
+    got = mirrored.evaluate(x, y, sample_weight=sw, batch_size=7,
+                            verbose=0, return_dict=True)
+    assert got["loss"] == pytest.approx(ref["loss"], rel=1e-5)
+    assert got["accuracy"] == pytest.approx(ref["accuracy"], rel=1e-6)
+
+
+def test_masked_output_of_a_multi_output_model_warns(cpus):
+    keras.utils.set_random_seed(0)
+    inputs = keras.Input((6,), dtype="int32")
+    hidden = keras.layers.Embedding(10, 4, mask_zero=True)(inputs)
+    model = keras.Model(inputs, [keras.layers.Dense(3)(hidden),
+                                 keras.layers.Dense(2)(hidden)])
+    model.compile(optimizer="sgd", loss=["mse", "mse"])
+    mirrored = keras_mirror.MirroredModel(model, devices=cpus[:2])
+    x, _, _ = _masked_data(4)
+    ys = [np.zeros((4, 6, 3), "float32"), np.zeros((4, 6, 2), "float32")]
+    with pytest.warns(UserWarning, match="several outputs and a mask"):
+        mirrored.train_on_batch(x, ys)
+
+
+@pytest.mark.parametrize("gradient_dtype", [None, "bfloat16"])
+def test_sparse_embedding_gradients_with_adam_equal_single_device(
+        cpus, gradient_dtype):
+    # Embedding gradients are sparse, with a row per token: Keras's Adam
+    # squares each row's values before duplicate rows add up. Summing the
+    # replicas' gradients densely would square the sums; they are gathered.
+    def build():
+        keras.utils.set_random_seed(0)
+        model = keras.Sequential([
+            keras.Input((5,), dtype="int32"),
+            keras.layers.Embedding(4, 3),  # 4 ids: many duplicates
+            keras.layers.Flatten(),
+            keras.layers.Dense(2),
+        ])
+        model.compile(optimizer=keras.optimizers.Adam(0.1), loss="mse")
+        return model
+
+    reference = build()
+    mirrored = keras_mirror.MirroredModel(build(), devices=cpus[:3],
+                                          gradient_dtype=gradient_dtype)
+    rng = np.random.default_rng(3)
+    x = rng.integers(0, 4, size=(20, 5)).astype("int32")
+    y = rng.normal(size=(20, 2)).astype("float32")
+    for rows in (7, 8, 5):
+        reference.train_on_batch(x[:rows], y[:rows])
+        mirrored.train_on_batch(x[:rows], y[:rows])
+        x, y = np.roll(x, 3, 0), np.roll(y, 3, 0)
+    tolerance = 1e-5 if gradient_dtype is None else 2e-2
+    assert max_diff(reference.get_weights(),
+                    mirrored.model.get_weights()) < tolerance
