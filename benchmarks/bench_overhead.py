@@ -28,11 +28,9 @@ Writes `benchmarks/results/overhead.json` and `.md` (or `--out PREFIX`).
 
 import argparse
 import datetime
-import json
 import os
 import statistics
 import sys
-import time
 
 _HERE = os.path.dirname(os.path.abspath(__file__))
 _ROOT = os.path.dirname(_HERE)
@@ -211,13 +209,7 @@ def markdown(report):
 def main(argv=None):
     args = _parse(argv)
     report = run(args)
-    text = markdown(report)
-    print(text)
-    os.makedirs(os.path.dirname(os.path.abspath(args.out)), exist_ok=True)
-    with open(args.out + ".json", "w") as f:
-        json.dump(report, f, indent=1)
-    with open(args.out + ".md", "w") as f:
-        f.write(text)
+    bench_report.write(report, args.out, markdown(report))
     return 0
 
 

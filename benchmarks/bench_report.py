@@ -235,9 +235,13 @@ def default_out():
     return os.path.join(_RESULTS, f"bench_step-{host}-{stamp}")
 
 
-def write(report, out):
-    """Prints the Markdown report and writes `out`.json and `out`.md."""
-    text = markdown(report)
+def write(report, out, text=None):
+    """Prints the Markdown report and writes `out`.json and `out`.md.
+
+    `text` is the Markdown; by default, `bench_step`'s table of `report`.
+    """
+    if text is None:
+        text = markdown(report)
     print()
     print(text)
     os.makedirs(os.path.dirname(os.path.abspath(out)), exist_ok=True)

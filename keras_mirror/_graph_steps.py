@@ -82,11 +82,11 @@ def _concat(parts, masks=None):
 def _shares(masks, shard_rows, rows):
     """Each shard's count to weight its loss by, and their total.
 
-    Rows, or a masked output's unmasked entries (`_steps.share_counts`).
+    Rows, or a masked output's unmasked entries (`_steps.output_mask`).
     """
     if masks[0] is None:
         return shard_rows, rows
-    counts = [tf.reduce_sum(tf.cast(m, tf.float32)) for m in masks]
+    counts = [_steps.unmasked_entries(m) for m in masks]
     return counts, tf.add_n(counts)
 
 

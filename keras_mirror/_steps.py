@@ -183,16 +183,9 @@ def output_mask(y_pred):
     return masks[0]
 
 
-def share_counts(mask, rows, global_rows, reduce_sum):
-    """`(count, global count)` to weight a shard's loss by.
-
-    Rows for an unmasked output; unmasked entries for a masked one, summed
-    over all replicas by `reduce_sum`.
-    """
-    if mask is None:
-        return rows, global_rows
-    count = tf.reduce_sum(tf.cast(mask, tf.float32))
-    return count, reduce_sum(count)
+def unmasked_entries(mask):
+    """A shard's count to weight a masked output's loss by (see above)."""
+    return tf.reduce_sum(tf.cast(mask, tf.float32))
 
 
 def with_mask(y_pred, mask):
@@ -294,9 +287,11 @@ class ReplicaSteps:
                               training=training), tf.float32) * n
         reg = _weight_regularization(self._inner)
         first = tf.equal(ctx.replica_id_in_sync_group, 0)
-        count, total = share_counts(
-            mask, _batch_size(x), global_rows,
-            lambda c: ctx.all_reduce(tf.distribute.ReduceOp.SUM, c))
+        if mask is None:
+            count, total = _batch_size(x), global_rows
+        else:
+            count = unmasked_entries(mask)
+            total = ctx.all_reduce(tf.distribute.ReduceOp.SUM, count)
         return contribution(shard, reg, count, total, first), shard
 
     def _with_mask(self, y_pred, mask):
