@@ -224,7 +224,7 @@ def _run(mirrored, data, method):
                                                   args=(shards,))
     vectors = mirrored._gather(vectors)
     samples = mirrored._gather(samples)
-    return _global_logs(vectors, samples)
+    return _global_logs(vectors, samples, mirrored.replica_stats)
 
 
 def _vectors(logs, method):
@@ -244,15 +244,20 @@ def _vectors(logs, method):
     return out
 
 
-def _global_logs(vectors, samples):
-    """`<key>`: share-weighted sums; `replica_<key>`: the vectors."""
+def _global_logs(vectors, samples, with_vectors=True):
+    """`<key>`: share-weighted sums; `replica_<key>`: the vectors.
+
+    Without the vectors (`MirroredModel(replica_stats=False)`), only the
+    sums.
+    """
     total = tf.reduce_sum(samples)
     share = tf.math.divide_no_nan(samples, total)
     logs = {}
     for key, vector in vectors.items():
         logs[key] = tf.reduce_sum(
             tf.where(samples > 0, vector * share, tf.zeros_like(vector)))
-    for key, vector in vectors.items():
-        logs[PREFIX + key] = vector
-    logs[PREFIX + "samples"] = samples
+    if with_vectors:
+        for key, vector in vectors.items():
+            logs[PREFIX + key] = vector
+        logs[PREFIX + "samples"] = samples
     return logs

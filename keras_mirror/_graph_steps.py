@@ -170,7 +170,10 @@ def train_step(mirrored, data):
     optimizer = mirrored.optimizer
     variables = inner.trainable_weights
     guard = _StateGuard(inner, len(mirrored.devices))
-    start, packed = _steps.step_start(packed)
+    keys = mirrored._stat_keys()
+    start = None
+    if "replica_step_time" in keys:
+        start, packed = _steps.step_start(packed)
     n = len(mirrored.devices)
     # Forward passes first: a masked output's shares need every shard's
     # count of unmasked entries. Each replica's tape is entered again to
@@ -208,24 +211,14 @@ def train_step(mirrored, data):
             g = tape.gradient(scaled, variables)
             if r > 0:  # replica 0 holds a row of every non-empty batch
                 g = _steps.zero_if_empty(g, shard_rows)
-            step_time = _steps.replica_clock(start, g)
-            norm, nonfinite = _steps.norm_and_nonfinite(g, shard_loss)
+            stats.append(_steps.compute_stats(keys, start, g, shard_loss,
+                                              shard_rows, swr))
         grads.append(g)
         contributions.append(contribution)
-        stats.append({
-            "replica_loss": shard_loss,
-            "replica_samples": shard_rows,
-            "replica_sample_weight": _steps._sample_weight_sum(
-                swr, shard_rows),
-            "replica_grad_norm": norm,
-            "replica_nonfinite": nonfinite,
-            "replica_step_time": step_time,
-        })
     guard.finish()
     home = mirrored.devices[0]
     with tf.device(home):
-        nonfinite = tf.add_n([s["replica_nonfinite"] for s in stats])
-        packed_stats = _steps.pack_stats(stats)
+        packed_stats = _steps.pack_stats(stats, keys) if keys else None
     reduced = _sum_gradients(grads, variables, mirrored._gradient_dtype,
                              home)
     with tf.device(home):
@@ -237,6 +230,7 @@ def train_step(mirrored, data):
                 optimizer.apply(reduced, variables)
                 return tf.constant(True)
 
+            nonfinite = tf.add_n([s["replica_nonfinite"] for s in stats])
             tf.cond(tf.equal(nonfinite, 0),
                     apply, lambda: tf.constant(False))
         y_pred = _concat(preds, masks)
@@ -244,7 +238,8 @@ def train_step(mirrored, data):
         if tracker is not None:
             tracker.update_state(loss, sample_weight=rows)
         logs = dict(mirrored.compute_metrics(x, y, y_pred, sample_weight=sw))
-        logs[_replica_logs.PACKED] = packed_stats
+        if packed_stats is not None:
+            logs[_replica_logs.PACKED] = packed_stats
     return logs
 
 

@@ -86,18 +86,26 @@ class ReplicaCallbackList(keras.callbacks.CallbackList):
         self._dispatch("on_train_end", logs=_numpy(logs))
 
 
-def unpack(logs):
-    """`logs` with the packed statistics split into `replica_*` vectors."""
+def unpack(logs, keys=STAT_KEYS):
+    """`logs` with the packed statistics split into `replica_*` vectors.
+
+    `keys` name the packed matrix's columns (`MirroredModel(replica_stats=
+    False)` packs fewer).
+    """
     if not isinstance(logs, dict) or PACKED not in logs:
         return logs
     logs = dict(logs)
     columns = np.ascontiguousarray(np.asarray(logs.pop(PACKED)).T)
-    for key, column in zip(STAT_KEYS, columns):
+    if len(columns) != len(keys):
+        raise ValueError(
+            f"The packed per-replica statistics have {len(columns)} "
+            f"columns; expected one per key of {keys}.")
+    for key, column in zip(keys, columns):
         logs[key] = column
     return logs
 
 
-def unpacking(function):
+def unpacking(function, keys=STAT_KEYS):
     """Wraps a Keras train function so that its logs come unpacked."""
     if function is None or getattr(function, "_unpacks_replica_stats",
                                    False):
@@ -105,7 +113,7 @@ def unpacking(function):
 
     @functools.wraps(function)
     def call(*args, **kwargs):
-        return unpack(function(*args, **kwargs))
+        return unpack(function(*args, **kwargs), keys)
 
     call._unpacks_replica_stats = True
     return call

@@ -202,17 +202,37 @@ def _sample_weight_sum(sw, rows):
                      for w in tf.nest.flatten(sw)])
 
 
-def pack_stats(per_replica):
+def pack_stats(per_replica, keys=REPLICA_KEYS):
     """The replicas' statistics as one float32 `[replicas, keys]` matrix.
 
-    `per_replica` holds one dict of scalars per replica, keyed by
-    `REPLICA_KEYS`; the matrix goes into the logs under
-    `_replica_logs.PACKED` (see there for why one tensor).
+    `per_replica` holds one dict of scalars per replica, with at least
+    `keys` (the model's `_stat_keys()`); the matrix goes into the logs
+    under `_replica_logs.PACKED` (see there for why one tensor).
     """
     scalars = [tf.cast(stats[k], tf.float32)
-               for stats in per_replica for k in REPLICA_KEYS]
-    return tf.reshape(tf.stack(scalars),
-                      [len(per_replica), len(REPLICA_KEYS)])
+               for stats in per_replica for k in keys]
+    return tf.reshape(tf.stack(scalars), [len(per_replica), len(keys)])
+
+
+def compute_stats(keys, start, grads, shard_loss, rows, sw):
+    """One replica's statistics named in `keys` (see `pack_stats`).
+
+    Only what `keys` name is computed: with `replica_stats=False` the step
+    reads no gradient a second time, unless `on_nonfinite` needs the count.
+    """
+    stats = {}
+    if "replica_step_time" in keys:
+        stats["replica_step_time"] = replica_clock(start, grads)
+    if "replica_grad_norm" in keys:
+        stats["replica_grad_norm"], stats["replica_nonfinite"] = (
+            norm_and_nonfinite(grads, shard_loss))
+    elif "replica_nonfinite" in keys:
+        stats["replica_nonfinite"] = norm_and_nonfinite(grads, shard_loss)[1]
+    if "replica_loss" in keys:
+        stats["replica_loss"] = shard_loss
+        stats["replica_samples"] = rows
+        stats["replica_sample_weight"] = _sample_weight_sum(sw, rows)
+    return stats
 
 
 class ReplicaSteps:
@@ -310,6 +330,7 @@ class ReplicaSteps:
     def _replica_train(self, packed, present, global_rows, start):
         x, y, sw = self._unpack(packed, present)
         rows = _batch_size(x)
+        keys = self._stat_keys()
         variables = self._inner.trainable_weights
         with tf.GradientTape() as tape, self._context(global_rows, x):
             y_pred = self._inner(x, training=True)
@@ -318,30 +339,22 @@ class ReplicaSteps:
                 x, y, y_pred, sw, True, global_rows, mask)
             scaled = self.optimizer.scale_loss(contribution)
         grads = zero_if_empty(tape.gradient(scaled, variables), rows)
-        step_time = replica_clock(start, grads)
-        norm, nonfinite = norm_and_nonfinite(grads, shard)
+        stats = compute_stats(keys, start, grads, shard, rows, sw)
         reduced = allreduce.all_reduce_sum(
             grads, self._comm_options, self._gradient_dtype)
         ctx = tf.distribute.get_replica_context()
-        total_nonfinite = ctx.all_reduce(tf.distribute.ReduceOp.SUM,
-                                         nonfinite)
-        self._apply(reduced, variables, total_nonfinite)
+        if self.on_nonfinite == "warn":
+            self.optimizer.apply(reduced, variables)
+        else:
+            total_nonfinite = ctx.all_reduce(tf.distribute.ReduceOp.SUM,
+                                             stats["replica_nonfinite"])
+            self._apply(reduced, variables, total_nonfinite)
         loss = ctx.all_reduce(tf.distribute.ReduceOp.SUM, contribution)
-        stats = {
-            "replica_loss": shard,
-            "replica_samples": rows,
-            "replica_sample_weight": _sample_weight_sum(sw, rows),
-            "replica_grad_norm": norm,
-            "replica_nonfinite": nonfinite,
-            "replica_step_time": step_time,
-        }
-        return self._with_mask(y_pred, mask), loss, pack_stats([stats])
+        packed = pack_stats([stats], keys) if keys else None
+        return self._with_mask(y_pred, mask), loss, packed
 
     def _apply(self, grads, variables, total_nonfinite):
         """Applies the all-reduced gradients once, or skips a bad step."""
-        if self.on_nonfinite == "warn":
-            self.optimizer.apply(grads, variables)
-            return
 
         def cross_replica(strategy, grads, total):
             finite = tf.equal(
@@ -363,7 +376,9 @@ class ReplicaSteps:
         x, y, sw = keras.utils.unpack_x_y_sample_weight(data)
         rows = _batch_size(x)
         packed, present = self._pack(x, y, sw)
-        start, packed = step_start(packed)
+        start = None
+        if "replica_step_time" in self._stat_keys():
+            start, packed = step_start(packed)
         shards = self._distribute(packed, self._plan_sizes(rows))
         y_pred, loss, stats = self._strategy.run(
             self._replica_train, args=(shards, present, rows, start))
@@ -375,7 +390,8 @@ class ReplicaSteps:
             tracker.update_state(loss, sample_weight=rows)
         logs = self.compute_metrics(x, y, y_pred, sample_weight=sw)
         logs = dict(logs)
-        logs[_replica_logs.PACKED] = self._gather(stats)
+        if stats is not None:
+            logs[_replica_logs.PACKED] = self._gather(stats)
         return logs
 
     def _sync_state(self):

@@ -92,6 +92,19 @@ class MirroredModel(_steps.ReplicaSteps, keras.Model):
         worker_input: str. `"replicate"` (the only mode): every worker reads
             the full, identical global batch and keeps its replicas' rows of
             the split plan over all replicas (logged at construction).
+        replica_stats: bool. Whether each training step computes the
+            per-replica statistics (`replica_loss`, `replica_samples`,
+            `replica_sample_weight`, `replica_grad_norm`,
+            `replica_nonfinite`, `replica_step_time`) that fill the logs,
+            `replica_history` and `ReplicaTensorBoard`. Default True. They
+            read every gradient once more: on a 2 ms step of a small model
+            that is ~5% of the step (`benchmarks/README.md`), on large
+            models nothing measurable. False drops them all, except
+            `replica_nonfinite` when `on_nonfinite` is `"skip_step"` or
+            `"raise"`, which need it; with the default `"warn"`,
+            non-finite values then go unreported, as in plain Keras. A
+            model with its own `train_step` then logs no `replica_<key>`
+            vectors either.
         name: str or None. The wrapper's name.
 
     Example:
@@ -111,7 +124,8 @@ class MirroredModel(_steps.ReplicaSteps, keras.Model):
     def __init__(self, model, devices=None, batch="global",
                  on_nonfinite="warn", gradient_dtype=None, bytes_per_pack=0,
                  communication="auto", timeout_seconds=None, cluster=None,
-                 worker_input="replicate", execution="auto", name=None):
+                 worker_input="replicate", execution="auto",
+                 replica_stats=True, name=None):
         _compat.check_keras_version()
         _rebuild.check_model(model)
         if batch not in BATCH_MODES:
@@ -122,6 +136,10 @@ class MirroredModel(_steps.ReplicaSteps, keras.Model):
             raise ValueError(
                 f"`on_nonfinite` must be one of {NONFINITE_MODES}. "
                 f"Received: on_nonfinite={on_nonfinite!r}")
+        if not isinstance(replica_stats, bool):
+            raise ValueError(
+                "`replica_stats` must be True or False. "
+                f"Received: replica_stats={replica_stats!r}")
         _validate.check_choice("communication", communication,
                                ("auto", "ring", "nccl"))
         comm = allreduce.communication_options(
@@ -165,6 +183,7 @@ class MirroredModel(_steps.ReplicaSteps, keras.Model):
         self._batch_mode = batch
         self._capacity = None
         self.on_nonfinite = on_nonfinite
+        self._replica_stats = replica_stats
         self._gradient_dtype = gradient_dtype
         self._comm_options = comm
         self.replica_history = {}
@@ -231,6 +250,22 @@ class MirroredModel(_steps.ReplicaSteps, keras.Model):
         `"in_graph"` path, whose variables exist once.
         """
         return self._strategy
+
+    @property
+    def replica_stats(self):
+        """Whether training steps compute the per-replica statistics."""
+        return self._replica_stats
+
+    def _stat_keys(self):
+        """The built-in step's `replica_*` statistics, in packed order.
+
+        Read when the step is traced (as `on_nonfinite` is).
+        """
+        if self._replica_stats:
+            return _replica_logs.STAT_KEYS
+        if self.on_nonfinite != "warn":
+            return ("replica_nonfinite",)
+        return ()
 
     @property
     def batch_mode(self):
@@ -342,7 +377,8 @@ class MirroredModel(_steps.ReplicaSteps, keras.Model):
         if self.train_function is not None and not force:
             return self.train_function
         super().make_train_function(force=force)
-        self.train_function = _replica_logs.unpacking(self.train_function)
+        self.train_function = _replica_logs.unpacking(
+            self.train_function, self._stat_keys())
         return self.train_function
 
     def test_step(self, data):
@@ -596,6 +632,10 @@ class MirroredModel(_steps.ReplicaSteps, keras.Model):
             f"MirroredModel: {self.num_replicas} replica(s) on "
             f"{list(self._devices)}, batch={self._batch_mode!r}")
         print_fn(f"Execution path: {self.execution_summary}")
+        keys = self._stat_keys()
+        print_fn("Per-replica statistics: " + (
+            ", ".join(keys) if keys else "none") + (
+            "" if self._replica_stats else " (replica_stats=False)"))
         self._inner.summary(*args, **kwargs)
 
     @property

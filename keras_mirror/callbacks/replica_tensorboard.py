@@ -212,6 +212,13 @@ class ReplicaTensorBoard(keras.callbacks.Callback):
         self._functions = {}
 
     def on_train_begin(self, logs=None):
+        if getattr(self.model, "replica_stats", True) is False:
+            raise ValueError(
+                "ReplicaTensorBoard writes per-replica statistics, and this "
+                "MirroredModel computes none. Construct it with "
+                "`replica_stats=True` (the default), or log the global "
+                "values with `keras.callbacks.TensorBoard`. Received: "
+                "replica_stats=False")
         self._global_train_batch = 0
 
     def _on_train_batch_end(self, batch, logs=None):
