@@ -9,14 +9,16 @@ benchmark measures the same ratio paired, in one process:
   Keras `fit`;
 - `mirrored`: the same architecture and initial weights wrapped by
   `keras_mirror.MirroredModel(model, devices=[device])` (the path `"auto"`
-  picks: `in_graph`), with every per-replica statistic on, as users get it.
+  picks: `in_graph`), with every per-replica statistic on, as users get it;
+- `nostats`: the same with `replica_stats=False`: the wrapper without the
+  statistics, which plain `fit` does not compute either.
 
-Both models are traced first (one warm-up `fit` each). Then each repeat runs
-one `fit` of `--steps` steps per variant, in an order that alternates from
+The models are traced first (one warm-up `fit` each). Then each repeat runs
+one `fit` of `--steps` steps per variant, in an order that rotates from
 repeat to repeat; a callback records every step's end, as in
 `bench_step.py`. A repeat's value per variant is the median of its step
-times, the ratio is taken within the repeat (paired), and the report gives
-the median and the range of those ratios over repeats.
+times, the ratios to `single` are taken within the repeat (paired), and the
+report gives the median and the range of those ratios over repeats.
 
 Usage:
 
@@ -41,8 +43,9 @@ if _HERE not in sys.path:
 import bench_report  # noqa: E402
 import bench_step  # noqa: E402
 
-VARIANTS = ("single", "mirrored")
-SCHEMA_VERSION = 1
+VARIANTS = ("single", "mirrored", "nostats")
+WRAPPED = VARIANTS[1:]
+SCHEMA_VERSION = 2
 
 
 def _parse(argv):
@@ -100,13 +103,16 @@ def _measure(keras, tf, name, args, device):
                 bench_step._compile(keras, model)
         else:
             model, _ = bench_step._build_model(keras, name)
-            model = keras_mirror.MirroredModel(model, devices=[device])
+            model = keras_mirror.MirroredModel(
+                model, devices=[device],
+                replica_stats=variant == "mirrored")
             bench_step._compile(keras, model)
         _fit(model, variant, device, data, args.batch_size, None)  # trace
         models[variant] = model
     trials = []
     for repeat in range(args.repeats):
-        order = VARIANTS if repeat % 2 == 0 else VARIANTS[::-1]
+        k = repeat % len(VARIANTS)
+        order = VARIANTS[k:] + VARIANTS[:k]
         medians = {}
         for variant in order:
             timer = bench_step._make_timer(keras)
@@ -115,14 +121,15 @@ def _measure(keras, tf, name, args, device):
             ends = timer.batch_ends
             steps_ms = [1e3 * (b - a) for a, b in zip(ends, ends[1:])]
             medians[variant] = statistics.median(steps_ms)
-        ratio = medians["mirrored"] / medians["single"]
+        ratios = {v: medians[v] / medians["single"] for v in WRAPPED}
         trials.append({"model": name, "repeat": repeat,
                        **{f"{v}_ms": medians[v] for v in VARIANTS},
-                       "ratio": ratio})
-        print(f"{name:>8} repeat {repeat:2d}: single "
-              f"{medians['single']:7.3f} ms, mirrored "
-              f"{medians['mirrored']:7.3f} ms, ratio {ratio:.3f}",
-              flush=True)
+                       "ratio": ratios["mirrored"],
+                       "nostats_ratio": ratios["nostats"]})
+        print(f"{name:>8} repeat {repeat:2d}: " + ", ".join(
+            f"{v} {medians[v]:7.3f} ms" for v in VARIANTS) + "; ratios "
+            + ", ".join(f"{v} {ratios[v]:.3f}" for v in WRAPPED),
+            flush=True)
     return trials, models["mirrored"].execution
 
 
@@ -140,18 +147,16 @@ def run(args):
     for name in args.models:
         model_trials, execution = _measure(keras, tf, name, args, device)
         trials += model_trials
-        ratios = [t["ratio"] for t in model_trials]
-        rows.append({
-            "model": name,
-            "execution": execution,
-            "single_ms": statistics.median(
-                t["single_ms"] for t in model_trials),
-            "mirrored_ms": statistics.median(
-                t["mirrored_ms"] for t in model_trials),
-            "ratio_median": statistics.median(ratios),
-            "ratio_min": min(ratios),
-            "ratio_max": max(ratios),
-        })
+        row = {"model": name, "execution": execution}
+        for v in VARIANTS:
+            row[f"{v}_ms"] = statistics.median(
+                t[f"{v}_ms"] for t in model_trials)
+        for key in ("ratio", "nostats_ratio"):
+            ratios = [t[key] for t in model_trials]
+            row[f"{key}_median"] = statistics.median(ratios)
+            row[f"{key}_min"] = min(ratios)
+            row[f"{key}_max"] = max(ratios)
+        rows.append(row)
     return {
         "schema_version": SCHEMA_VERSION,
         "benchmark": "bench_overhead",
@@ -174,6 +179,8 @@ def run(args):
             "ratio = MirroredModel ms/step / single-device fit ms/step, "
             "paired within each repeat; the table gives the median and "
             "range over repeats.",
+            "MirroredModel: the default, every per-replica statistic "
+            "computed; replica_stats=False: none, as plain fit.",
         ],
     }
 
@@ -194,14 +201,17 @@ def markdown(report):
         f"{report['load_average']['after']}.",
         "",
         "| model | path | single ms/step | MirroredModel ms/step | "
+        "ratio (median) | ratio range | replica_stats=False ms/step | "
         "ratio (median) | ratio range |",
-        "|---|---|---:|---:|---:|---|",
+        "|---|---|---:|---:|---:|---|---:|---:|---|",
     ]
     for r in report["results"]:
         lines.append(
             f"| {r['model']} | {r['execution']} | {r['single_ms']:.3f} | "
             f"{r['mirrored_ms']:.3f} | {r['ratio_median']:.3f} | "
-            f"{r['ratio_min']:.3f}-{r['ratio_max']:.3f} |")
+            f"{r['ratio_min']:.3f}-{r['ratio_max']:.3f} | "
+            f"{r['nostats_ms']:.3f} | {r['nostats_ratio_median']:.3f} | "
+            f"{r['nostats_ratio_min']:.3f}-{r['nostats_ratio_max']:.3f} |")
     lines += ["", *[f"- {n}" for n in report["notes"]], ""]
     return "\n".join(lines)
 

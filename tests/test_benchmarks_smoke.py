@@ -90,7 +90,12 @@ def test_overhead_quick_run_writes_report(tmp_path):
     assert row["model"] == "mlp" and row["execution"] == "in_graph"
     assert len(report["trials"]) == 2
     for trial in report["trials"]:
-        assert trial["single_ms"] > 0 and trial["mirrored_ms"] > 0
+        assert min(trial["single_ms"], trial["mirrored_ms"],
+                   trial["nostats_ms"]) > 0
         assert trial["ratio"] == pytest.approx(
             trial["mirrored_ms"] / trial["single_ms"])
+        assert trial["nostats_ratio"] == pytest.approx(
+            trial["nostats_ms"] / trial["single_ms"])
     assert row["ratio_min"] <= row["ratio_median"] <= row["ratio_max"]
+    assert row["nostats_ratio_min"] <= row["nostats_ratio_median"] \
+        <= row["nostats_ratio_max"]

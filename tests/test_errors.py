@@ -151,6 +151,19 @@ CASES = {
             _seq(), cpus, on_nonfinite="ignore"),
         ValueError,
         r"`on_nonfinite` must be one of .*Received: on_nonfinite='ignore'"),
+    "replica_stats": Case(
+        "replica_stats", "'no'",
+        lambda cpus: keras_mirror.MirroredModel(
+            _seq(), cpus, replica_stats="no"),
+        ValueError,
+        r"`replica_stats` must be True or False\. "
+        r"Received: replica_stats='no'"),
+    "replica_tensorboard_without_stats": Case(
+        "replica_stats", "False with ReplicaTensorBoard",
+        lambda cpus: _fit_with_board(cpus),
+        ValueError,
+        r"ReplicaTensorBoard writes per-replica statistics, and this "
+        r"MirroredModel computes none\..*Received: replica_stats=False"),
     "gradient_dtype": Case(
         "gradient_dtype", "'int8'",
         lambda cpus: keras_mirror.MirroredModel(
@@ -339,6 +352,13 @@ CASES = {
         r"`TF_CONFIG\['task'\]\['index'\]` must be in \[0, 2\).*"
         r"Received: TF_CONFIG\['task'\]\['index'\]=5"),
 }
+
+
+def _fit_with_board(cpus):
+    mirrored = keras_mirror.MirroredModel(_seq(), cpus, replica_stats=False)
+    mirrored.compile(optimizer="sgd", loss="mse")
+    mirrored.fit(X, Y, batch_size=8, verbose=0,
+                 callbacks=[keras_mirror.ReplicaTensorBoard("runs")])
 
 
 @pytest.mark.parametrize("name", sorted(CASES))
