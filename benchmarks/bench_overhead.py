@@ -55,8 +55,8 @@ def _parse(argv):
     parser.add_argument("--batch-size", type=int, default=256)
     parser.add_argument("--steps", type=int, default=100,
                         help="steps per fit (default 100)")
-    parser.add_argument("--repeats", type=int, default=15,
-                        help="paired repeats per model (default 15)")
+    parser.add_argument("--repeats", type=int, default=40,
+                        help="paired repeats per model (default 40)")
     parser.add_argument("--quick", action="store_true",
                         help="10 steps, 2 repeats: a smoke run")
     parser.add_argument("--out", default=_DEFAULT_OUT,
