@@ -98,8 +98,8 @@ class MirroredModel(_steps.ReplicaSteps, keras.Model):
             `replica_nonfinite`, `replica_step_time`) that fill the logs,
             `replica_history` and `ReplicaTensorBoard`. Default True. They
             read every gradient once more: on a 2 ms step of a small model
-            that is ~5% of the step (`benchmarks/README.md`), on large
-            models nothing measurable. False drops them all, except
+            that is 4-10% of the step (`benchmarks/README.md`), on an 11 ms
+            step 0-3%. False drops them all, except
             `replica_nonfinite` when `on_nonfinite` is `"skip_step"` or
             `"raise"`, which need it; with the default `"warn"`,
             non-finite values then go unreported, as in plain Keras. A
