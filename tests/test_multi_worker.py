@@ -38,11 +38,11 @@ def _no_leftover_processes():
     assert not children, f"the test left processes behind: {children}"
 
 
-def single_device_weights(epochs):
+def single_device_weights(epochs, kind="dense"):
     mw = worker_module()
-    model = mw.model()
+    model = mw.model(kind)
     model.compile(optimizer=mw.optimizer(), loss="mse")
-    x, y = mw.data()
+    x, y = mw.data(kind)
     model.fit(x, y, batch_size=mw.BATCH, epochs=epochs, shuffle=False,
               verbose=0)
     return model.get_weights(), int(model.optimizer.iterations.numpy())
@@ -91,3 +91,20 @@ def test_two_workers_train_like_one_device(tmp_path, capsys):
     assert (tmp_path / "final.weights.h5").exists()
     print(f"max |w_worker - w_single| = {max_diff(w0, ref):.3g}; "
           f"first step after {info[0]['seconds_to_first_step']:.1f} s")
+
+
+@pytest.mark.timeout(100)
+def test_sparse_embedding_gradients_are_gathered_across_workers(
+        tmp_path, capsys):
+    # Embedding gradients are IndexedSlices: each replica's rows are
+    # all-gathered across both workers (not densified and summed), so that
+    # Adam sees every row's value as on one device, duplicates included.
+    code = run_workers(tmp_path, "--epochs", "1", "--model", "embedding")
+    out, err = capsys.readouterr()
+    assert code == 0, out + err
+    w0, it0 = load(tmp_path, 0)
+    w1, it1 = load(tmp_path, 1)
+    ref, ref_it = single_device_weights(1, "embedding")
+    assert it0 == it1 == ref_it == 6
+    assert max_diff(w0, w1) == 0.0
+    assert max_diff(w0, ref) < 1e-5

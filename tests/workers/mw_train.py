@@ -2,9 +2,11 @@
 tests/test_step_backup.py (started by `keras_mirror.launch.launch`).
 
 usage: mw_train.py OUT_DIR [--epochs E] [--backup DIR] [--kill-at-step S]
-                   [--local-cpus N]
+                   [--local-cpus N] [--model dense|embedding]
 
-Trains `model()` on `data()` (45 rows, global batch 8, no shuffling) and
+Trains `model(kind)` on `data(kind)` (45 rows, global batch 8, no
+shuffling; `embedding` has sparse `IndexedSlices` gradients, which the
+workers all-gather instead of summing) and
 writes `OUT_DIR/weights_<task index>.npz` (the final weights, plus
 `iterations`) and `OUT_DIR/info_<task index>.json`. With `--kill-at-step S`
 the worker SIGKILLs itself after global step S, on launcher attempt 0 only
@@ -27,9 +29,20 @@ import keras_mirror  # noqa: E402
 ROWS, BATCH = 45, 8
 
 
-def model():
+KINDS = ("dense", "embedding")
+VOCAB, TOKENS = 20, 5
+
+
+def model(kind="dense"):
     import keras
     keras.utils.set_random_seed(0)
+    if kind == "embedding":
+        return keras.Sequential([
+            keras.Input((TOKENS,), dtype="int32"),
+            keras.layers.Embedding(VOCAB, 4),
+            keras.layers.GlobalAveragePooling1D(),
+            keras.layers.Dense(3),
+        ])
     return keras.Sequential([
         keras.Input((6,)),
         keras.layers.Dense(16, activation="tanh"),
@@ -42,10 +55,14 @@ def optimizer():
     return keras.optimizers.Adam(0.01)
 
 
-def data():
+def data(kind="dense"):
     import numpy as np
     rng = np.random.default_rng(1)
-    x = rng.normal(size=(ROWS, 6)).astype("float32")
+    if kind == "embedding":
+        # Few distinct tokens: replicas and workers share rows of the table.
+        x = rng.integers(0, VOCAB, size=(ROWS, TOKENS)).astype("int32")
+    else:
+        x = rng.normal(size=(ROWS, 6)).astype("float32")
     y = rng.normal(size=(ROWS, 3)).astype("float32")
     return x, y
 
@@ -57,6 +74,7 @@ def main():
     parser.add_argument("--backup")
     parser.add_argument("--kill-at-step", type=int)
     parser.add_argument("--local-cpus", type=int, default=2)
+    parser.add_argument("--model", choices=KINDS, default="dense")
     args = parser.parse_args()
     cpus = keras_mirror.logical_cpus(args.local_cpus)
 
@@ -65,7 +83,7 @@ def main():
 
     out = pathlib.Path(args.out_dir)
     attempt = int(os.environ.get("KERAS_MIRROR_RESTART", "0"))
-    mirrored = keras_mirror.MirroredModel(model(), devices=cpus,
+    mirrored = keras_mirror.MirroredModel(model(args.model), devices=cpus,
                                           timeout_seconds=60)
     task = keras_mirror.cluster.cluster_from_env()
     index = 0 if task is None else task.task_index
@@ -87,7 +105,7 @@ def main():
         from keras_mirror.callbacks.step_backup import StepBackup
         callbacks.append(StepBackup(args.backup, every_n_steps=1))
     callbacks.append(Probe())
-    x, y = data()
+    x, y = data(args.model)
     history = mirrored.fit(x, y, batch_size=BATCH, epochs=args.epochs,
                            shuffle=False, verbose=0, callbacks=callbacks)
     weights = mirrored.model.get_weights()
