@@ -274,7 +274,14 @@ class MirroredModel(_steps.ReplicaSteps, keras.Model):
 
     @property
     def allreduce_bytes_per_step(self):
-        """Bytes each replica sends into the gradient all-reduce per step."""
+        """Bytes each replica sends into the gradient all-reduce per step.
+
+        Counts every gradient at its variable's dense size, in
+        `gradient_dtype` when set. A sparse gradient (an `Embedding`'s) is
+        all-gathered instead, and sends what the replica's shard looked up:
+        its rows' values plus an index each, which depends on the batch and
+        can be less or more than the dense size.
+        """
         return allreduce.bytes_per_step(self.trainable_weights,
                                         self._gradient_dtype)
 

@@ -45,5 +45,7 @@ def own_step_model(features=None):
     """An `OwnStep` model, built for `features` inputs when given."""
     model = OwnStep()
     if features is not None:
-        model.build((None, features))
+        # Called once, so that its layers create their weights: `build`
+        # would mark the subclass built without any (Keras warns).
+        model(np.zeros((1, features), "float32"))
     return model
