@@ -153,14 +153,6 @@ def test_summary_names_the_statistics(cpus, capsys):
         assert lines[2] == f"Per-replica statistics: {line}"
 
 
-def test_bad_value_names_the_argument(cpus):
-    with pytest.raises(ValueError) as info:
-        keras_mirror.MirroredModel(mlp(), devices=cpus, replica_stats="no")
-    assert str(info.value) == (
-        "`replica_stats` must be True or False. Received: "
-        "replica_stats='no'")
-
-
 def test_replica_tensorboard_refuses_a_model_without_statistics(
         cpus, tmp_path):
     mirrored = keras_mirror.MirroredModel(mlp(), devices=cpus,
