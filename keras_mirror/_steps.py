@@ -354,7 +354,11 @@ class ReplicaSteps:
         return self._with_mask(y_pred, mask), loss, packed
 
     def _apply(self, grads, variables, total_nonfinite):
-        """Applies the all-reduced gradients once, or skips a bad step."""
+        """Applies the all-reduced gradients once, or skips a bad step.
+
+        For `on_nonfinite` "skip_step" and "raise": a non-finite value on
+        any replica skips the update on all of them.
+        """
 
         def cross_replica(strategy, grads, total):
             finite = tf.equal(

@@ -38,6 +38,20 @@ def test_unpack_splits_the_packed_matrix_into_vectors():
     assert _replica_logs.unpack(plain) is plain
 
 
+def test_unpack_with_fewer_keys_and_a_mismatch():
+    # `replica_stats=False` with on_nonfinite="skip_step" packs one column.
+    one = np.array([[0.0], [3.0], [0.0]], np.float32)
+    logs = _replica_logs.unpack({"loss": 1.0, _replica_logs.PACKED: one},
+                                ("replica_nonfinite",))
+    assert list(logs) == ["loss", "replica_nonfinite"]
+    assert logs["replica_nonfinite"].tolist() == [0, 3, 0]
+    with pytest.raises(ValueError) as info:
+        _replica_logs.unpack({_replica_logs.PACKED: one})
+    assert str(info.value) == (
+        "The packed per-replica statistics have 1 columns; expected one "
+        f"per key of {_replica_logs.STAT_KEYS}.")
+
+
 def _recorder(replicas=3, on_nonfinite="warn"):
     mirrored = types.SimpleNamespace(replica_history={},
                                      on_nonfinite=on_nonfinite)
