@@ -36,6 +36,26 @@ def build_original(model):
     return built
 
 
+def check_weights_exist(model):
+    """Refuses a model marked built whose layers never created weights.
+
+    Keras's default `build()` on a subclassed model without a `build` of
+    its own marks it built without building its layers (with a warning);
+    the copy would then create its variables inside a replica step, where
+    a strategy cannot mirror them.
+    """
+    unbuilt = [layer.name for layer in model.layers if not layer.built]
+    if model.built and not model.weights and unbuilt:
+        raise errors.ModelRebuildError(
+            f"`model` is marked built but has no weights: its layers "
+            f"{unbuilt} were never built (Keras's `build()` does this to a "
+            "subclassed model without a `build` method of its own). Call "
+            "the model once on a batch, give it a `build` method, or pass "
+            "it unbuilt: keras-mirror then builds it from the first batch. "
+            f"Received: model={type(model).__name__}"
+        )
+
+
 def clone_in_scope(model, factory, strategy):
     """Creates the replica-mirrored copy of `model` inside `strategy.scope()`.
 

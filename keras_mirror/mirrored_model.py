@@ -154,6 +154,7 @@ class MirroredModel(_steps.ReplicaSteps, keras.Model):
             _check_execution(execution, "a multi-worker cluster")
             strategy = devices_lib.multi_worker_strategy(spec, resolved, comm)
         original = _rebuild.build_original(model)
+        _rebuild.check_weights_exist(original)
         collective_options = {
             k: v for k, v in (("bytes_per_pack", bytes_per_pack),
                               ("communication", communication))

@@ -10,6 +10,7 @@ that the doc has a row per case.
 import dataclasses
 import os
 import re
+import warnings
 from typing import Callable
 
 import keras
@@ -85,6 +86,12 @@ CASES = {
         "model", "42 (not a keras.Model)",
         lambda cpus: keras_mirror.MirroredModel(42, devices=cpus),
         TypeError, r"`model` must be a `keras.Model`.*Received: model=42"),
+    "model_built_without_weights": Case(
+        "model", "a factory of a subclass marked built by build()",
+        lambda cpus: keras_mirror.MirroredModel(_built_by_build, cpus),
+        errors.ModelRebuildError,
+        r"`model` is marked built but has no weights: its layers "
+        r"\['dense(_\d+)?'\] were never built .*Received: model=OwnStep"),
     "devices_empty": Case(
         "devices", "[]",
         lambda cpus: keras_mirror.MirroredModel(_seq(), devices=[]),
@@ -352,6 +359,14 @@ CASES = {
         r"`TF_CONFIG\['task'\]\['index'\]` must be in \[0, 2\).*"
         r"Received: TF_CONFIG\['task'\]\['index'\]=5"),
 }
+
+
+def _built_by_build():
+    model = own_step_model()
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")  # Keras warns of the unbuilt state
+        model.build((None, 3))
+    return model
 
 
 def _fit_with_board(cpus):
