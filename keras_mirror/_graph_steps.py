@@ -171,9 +171,7 @@ def train_step(mirrored, data):
     variables = inner.trainable_weights
     guard = _StateGuard(inner, len(mirrored.devices))
     keys = mirrored._stat_keys()
-    start = None
-    if "replica_step_time" in keys:
-        start, packed = _steps.step_start(packed)
+    start, packed = _steps.step_start(packed, keys)
     n = len(mirrored.devices)
     # Forward passes first: a masked output's shares need every shard's
     # count of unmasked entries. Each replica's tape is entered again to

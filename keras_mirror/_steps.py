@@ -91,8 +91,11 @@ def zero_if_empty(grads, rows):
     return out
 
 
-def step_start(data):
+def step_start(data, keys):
     """Reads the clock once, before any replica's work in the step.
+
+    Returns `(start, data)`; `(None, data)` untouched when `keys` (the
+    model's `_stat_keys()`) have no `replica_step_time`.
 
     `replica_step_time` is the time from this reading until a replica's
     gradients are ready. One reading per replica would
@@ -103,6 +106,8 @@ def step_start(data):
     earlier than the one before it; the slowest replica's time, the one the
     all-reduce waits for, is exact.
     """
+    if "replica_step_time" not in keys:
+        return None, data
     start = tf.timestamp()
     with tf.control_dependencies([start]):
         # The step's input is sliced after the clock is read.
@@ -380,9 +385,7 @@ class ReplicaSteps:
         x, y, sw = keras.utils.unpack_x_y_sample_weight(data)
         rows = _batch_size(x)
         packed, present = self._pack(x, y, sw)
-        start = None
-        if "replica_step_time" in self._stat_keys():
-            start, packed = step_start(packed)
+        start, packed = step_start(packed, self._stat_keys())
         shards = self._distribute(packed, self._plan_sizes(rows))
         y_pred, loss, stats = self._strategy.run(
             self._replica_train, args=(shards, present, rows, start))
