@@ -133,6 +133,25 @@ def replace_optimizer_allreduce(optimizer, make_hook):
         setattr(opt, _ALLREDUCE_HOOK, make_hook(original))
 
 
+# An optimizer clips (`clipnorm`, `global_clipnorm`, `clipvalue`) in
+# `_clip_gradients`, before its all-reduce hook. In a model's own `train_step`
+# keras-mirror all-reduces there instead, so that clipping sees the global
+# gradient, as on one device.
+_CLIP_HOOK = "_clip_gradients"
+
+
+def replace_optimizer_clip(optimizer, make_hook):
+    """Replaces `optimizer._clip_gradients` by `make_hook(original)`."""
+    if not hasattr(optimizer, _CLIP_HOOK):
+        raise RuntimeError(
+            f"This Keras release ({keras.__version__}) has no "
+            f"`{type(optimizer).__name__}.{_CLIP_HOOK}`; keras-mirror cannot "
+            "all-reduce gradients before clipping. Install a supported Keras "
+            "(see keras_mirror._compat).")
+    original = getattr(type(optimizer), _CLIP_HOOK).__get__(optimizer)
+    setattr(optimizer, _CLIP_HOOK, make_hook(original))
+
+
 def symbolic_build(model, data_batch):
     """Builds the model, compiled loss and compiled metrics from a batch."""
     getattr(model, _SYMBOLIC_BUILD)(data_batch=data_batch)
@@ -231,3 +250,159 @@ def collective_extended_on(device_type, indices):
 def worker_device(strategy):
     """The worker device prefix (`/job:worker/task:i`) of `strategy`."""
     return getattr(strategy.extended, _TF_WORKER_DEVICE)
+
+
+# -- the user's variables, re-homed in place (keras_mirror._homes) ------------
+
+# A Keras variable (`keras.Variable`, TF backend) keeps its TensorFlow variable
+# in `_value` and creates it in `_initialize(value)`, with the aggregation and
+# synchronization Keras chose. keras-mirror trains the user's own model object
+# on a `MirroredStrategy` by giving each of its variables a second backing
+# variable made by `_initialize` inside the strategy's scope (a
+# `MirroredVariable`, the value kept), and switches between the two: mirrored
+# while the wrapper trains, single-device otherwise, so that the user's
+# `model.fit`/`predict` keep working on one device. Keras has no public way to
+# re-home a variable.
+_VARIABLE_BACKING = "_value"
+_VARIABLE_INITIALIZE = "_initialize"
+
+
+def _check_variable_api(variable):
+    for name in (_VARIABLE_BACKING, _VARIABLE_INITIALIZE):
+        if not hasattr(variable, name):
+            raise RuntimeError(
+                f"This Keras release ({keras.__version__}) has no "
+                f"`Variable.{name}`; keras-mirror cannot train the model's "
+                "own variables on a tf.distribute strategy. Install a "
+                "supported Keras (see keras_mirror._compat).")
+
+
+def backing(variable):
+    """The TensorFlow variable behind a Keras variable."""
+    _check_variable_api(variable)
+    return getattr(variable, _VARIABLE_BACKING)
+
+
+def set_backing(variable, tf_variable):
+    """Makes `tf_variable` the one behind the Keras `variable`."""
+    _check_variable_api(variable)
+    setattr(variable, _VARIABLE_BACKING, tf_variable)
+
+
+def new_backing(variable, value):
+    """A new TF variable for `variable` (in the current scope), not installed.
+
+    It has the Keras variable's dtype, trainability, aggregation and
+    synchronization; created inside a strategy's scope it is distributed.
+    """
+    current = backing(variable)
+    try:
+        getattr(variable, _VARIABLE_INITIALIZE)(value)
+        return backing(variable)
+    finally:
+        set_backing(variable, current)
+
+
+# -- keras.random draws inside a replica (keras_mirror._random) ---------------
+
+# Keras's random functions (`keras.random.*`, Dropout, GaussianNoise, ...)
+# call the TF backend's module `keras.src.backend.tensorflow.random` at call
+# time, through the `backend.random` attribute. keras-mirror replaces its
+# shape-taking functions while a replica step is traced, so that a draw whose
+# leading dimension is the replica's shard draws the global batch's rows (same
+# seed, same generator advance) and keeps this shard's: exactly one device's
+# numbers. The names replaced are checked here.
+_RANDOM_MODULE = "keras.src.backend.tensorflow.random"
+RANDOM_FUNCTIONS = ("normal", "uniform", "truncated_normal", "randint",
+                    "dropout", "gamma", "binomial", "beta")
+
+
+def random_module():
+    """The TF backend's random module, checked for the functions replaced."""
+    import importlib
+
+    module = importlib.import_module(_RANDOM_MODULE)
+    for name in RANDOM_FUNCTIONS + ("_cast_seed", "draw_seed"):
+        if not hasattr(module, name):
+            raise RuntimeError(
+                f"This Keras release ({keras.__version__}) has no "
+                f"`{_RANDOM_MODULE}.{name}`; keras-mirror cannot make random "
+                "draws inside a replica equal one device's. Install a "
+                "supported Keras (see keras_mirror._compat).")
+    return module
+
+
+@contextlib.contextmanager
+def replaced(module, replacements):
+    """Within the block, `module.<name>` is `replacements[name]`."""
+    saved = {name: getattr(module, name) for name in replacements}
+    try:
+        for name, fn in replacements.items():
+            setattr(module, name, fn)
+        yield saved
+    finally:
+        for name, fn in saved.items():
+            setattr(module, name, fn)
+
+
+# Keras's compiled loss updates one `Mean` tracker per output with
+# `sample_weight=<the batch's static row count>`, which a shard of dynamic
+# size does not have (None: every shard then weighs 1, a mean of shard
+# means). `CompileLoss.metrics` lists those trackers; `Trainer._compile_loss`
+# is the compiled loss.
+_COMPILE_LOSS = "_compile_loss"
+
+
+def output_loss_trackers(model):
+    """The per-output loss `Mean`s of `model`'s compiled loss (maybe [])."""
+    compile_loss = getattr(model, _COMPILE_LOSS, None)
+    if compile_loss is None:
+        return []
+    return list(getattr(compile_loss, "metrics", []) or [])
+
+
+def has_compiled_loss_or_metrics(model):
+    """Whether `model.compile` gave it a compiled loss or metrics."""
+    return getattr(model, _COMPILE_LOSS, None) is not None or getattr(
+        model, "_compile_metrics", None) is not None
+
+
+# `Layer._flatten_layers()` walks a model's layers (itself first) in the order
+# `Layer.losses` collects their `add_loss` terms, which each layer keeps in
+# `_losses`. Used only to name the layer of an `add_loss` term in an error.
+_FLATTEN_LAYERS = "_flatten_layers"
+_OWN_LOSSES = "_losses"
+
+
+def loss_owners(model):
+    """`"layer 'name'"` for each `add_loss` term, in `model.losses` order."""
+    owners = []
+    for layer in getattr(model, _FLATTEN_LAYERS)(include_self=True):
+        own = getattr(layer, _OWN_LOSSES, None) or []
+        owners.extend([f"layer {layer.name!r}"] * len(own))
+    return owners
+
+
+# A TF-backend optimizer finds a variable's slots through
+# `_trainable_variables_indices`, keyed by `_var_key(variable)`: the unique id
+# of the TF variable behind it. When `_homes` switches a variable's backing,
+# the keys must follow, from the optimizer's own `_trainable_variables`.
+_OPT_INDICES = "_trainable_variables_indices"
+_OPT_VARIABLES = "_trainable_variables"
+
+
+def rekey_optimizer(optimizer):
+    """Re-indexes `optimizer` (and an inner one) by the current backings."""
+    for opt in (optimizer, getattr(optimizer, "inner_optimizer", None)):
+        if opt is None or not getattr(opt, "built", False):
+            continue
+        for name in (_OPT_INDICES, _OPT_VARIABLES, "_var_key"):
+            if not hasattr(opt, name):
+                raise RuntimeError(
+                    f"This Keras release ({keras.__version__}) has no "
+                    f"`{type(opt).__name__}.{name}`; keras-mirror cannot "
+                    "train the model's own optimizer on a strategy. Install "
+                    "a supported Keras (see keras_mirror._compat).")
+        setattr(opt, _OPT_INDICES, {
+            opt._var_key(v): i
+            for i, v in enumerate(getattr(opt, _OPT_VARIABLES))})

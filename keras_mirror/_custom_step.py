@@ -1,40 +1,47 @@
-"""Models with their own `train_step`: GANs and multi-optimizer training.
+"""Models with their own `train_step`, `test_step` or `predict_step`.
 
 A model that overrides `train_step` (keras.io DCGAN / WGAN-GP style: its own
 `compile(d_optimizer=..., g_optimizer=..., loss_fn=...)`, a step that calls
-`self.d_optimizer.apply_gradients(...)`) runs unchanged under `MirroredModel`:
+`self.d_optimizer.apply_gradients(...)`; the Keras guide's step that calls
+`self.compute_loss` and updates `self.metrics`) runs unchanged under
+`MirroredModel`, on the user's own object:
 
-- `compile` is forwarded to the replica-mirrored copy of the model, inside the
-  strategy's scope, with fresh copies of the optimizers passed in, so that
-  their variables are mirrored. Every optimizer the copy then holds gets its
-  gradient all-reduce replaced (see `_weighted_allreduce`).
 - Each step splits the global batch by the split plan and runs the user's
   step once per replica, on its shard, in replica context. Keras's division
   of losses by the replica count is switched off meanwhile, so the step
-  computes exactly what one device would on those rows.
+  computes exactly what one device would on those rows; `keras.random`
+  draws are one device's rows (`_random`); metric updates are weighted as
+  one device's (`_metric_weights`).
 - When the step applies gradients, each optimizer multiplies every gradient
   by the replica's share `b_r / B` (0 on an empty shard, never NaN) and sums
-  over replicas. For a loss that is a mean over the batch, the sum is the
-  gradient one device computes on the whole global batch.
+  over replicas, before its clipping and weight decay (see
+  `_compile.adopt`). For a loss that is a mean over the batch, the sum is
+  the gradient one device computes on the whole global batch.
 - The scalars the step returns come back as per-replica vectors
-  `replica_<key>` and as the share-weighted sum `<key>` (exact for per-batch
-  means), beside `replica_samples`.
+  `replica_<key>` and globally: a key naming one of the model's metrics
+  reports the metric (its state is the global batch's), any other scalar
+  the share-weighted sum (exact for per-batch means).
 
-What differs from one device: randomness drawn inside the step (each
-replica draws its own numbers: pass noise in with the data to be exact);
-BatchNormalization statistics (per shard unless `synchronized=True`);
-optimizer clipping (`clipnorm`, `global_clipnorm`, `clipvalue`), which Keras
-applies before the all-reduce, so it clips each replica's unweighted shard
-gradient; stateful metrics such as a running `Mean` of the loss, whose
-per-replica results are combined with the current batch's shares.
+`test_step` and `predict_step` overrides run the same way on both execution
+paths; a `train_step` override needs the `"strategy"` path, whose replicas can
+wait for each other (a GAN's generator step reads the discriminator that
+every replica's gradients just updated).
+
+What differs from one device: a loss the user's own step computes as a
+batch *sum* by hand (weighted as a mean); synchronized BatchNormalization
+with uneven shards (the share weighting follows differentiation, so its
+cross-replica terms are weighted by the wrong shares); gradient
+accumulation and `LossScaleOptimizer` clip per replica, before the
+all-reduce.
 """
 
 import keras
 import tensorflow as tf
 
 from keras_mirror import _compat
-from keras_mirror import _rebuild
+from keras_mirror import _scope
 from keras_mirror import allreduce
+from keras_mirror import split
 from keras_mirror.replica_context import ReplicaContext
 from keras_mirror.replica_context import activate
 from keras_mirror.replica_context import active
@@ -42,115 +49,32 @@ from keras_mirror.replica_context import active
 PREFIX = "replica_"
 
 
+def overrides(model, method):
+    """True when `model`'s class overrides `keras.Model.<method>`."""
+    return getattr(type(model), method) is not getattr(keras.Model, method)
+
+
 def has_custom_step(model):
     """True when `model`'s class overrides `keras.Model.train_step`."""
-    return type(model).train_step is not keras.Model.train_step
+    return overrides(model, "train_step")
 
 
-def can_compile_like(original):
-    """Whether `MirroredModel` may re-compile from `original`'s config.
-
-    A model with its own `compile` signature (a GAN's `d_optimizer=...`)
-    cannot be compiled from Keras's compile config: the user calls
-    `mirrored.compile(...)` with the same arguments instead.
-    """
-    return not (has_custom_step(original)
-                and type(original).compile is not keras.Model.compile)
-
-
-def setup(original, inner):
-    """Prepares the two copies of a custom-step model; returns True if so.
+def setup(model):
+    """Marks a custom-step model built when its sub-models hold weights.
 
     Models such as a GAN have no `call`, so they are never "built" by a
-    forward pass, although their sub-models hold all the weights. Such a
-    model is marked built (as Keras asks users to do under a strategy) and
-    its weights are copied into the mirrored copy.
+    forward pass, although their sub-models hold all the weights (Keras
+    asks users to mark them built under a strategy). Returns whether the
+    model has its own `train_step`.
     """
-    if not has_custom_step(original):
+    if not has_custom_step(model):
         return False
-    if not original.built and original.weights:
-        original.built = True
-        if not inner.built and inner.weights:
-            inner.built = True
-        # `clone_in_scope` copies only built models' weights.
-        _rebuild.copy_weights(original, inner)
+    if not model.built and model.weights:
+        model.built = True
     return True
 
 
-# -- compile -----------------------------------------------------------------
-
-
-def _fresh(value):
-    """A new optimizer of the same class and config, made in this scope."""
-    if isinstance(value, keras.optimizers.Optimizer):
-        return value.__class__.from_config(value.get_config())
-    if isinstance(value, (list, tuple)):
-        return type(value)(_fresh(v) for v in value)
-    if isinstance(value, dict):
-        return {k: _fresh(v) for k, v in value.items()}
-    return value
-
-
-def _optimizers(model):
-    """Every optimizer the model holds as an attribute (or in a list)."""
-    found = []
-    for value in list(vars(model).values()):
-        items = value if isinstance(value, (list, tuple)) else (
-            value.values() if isinstance(value, dict) else (value,))
-        for item in items:
-            if isinstance(item, keras.optimizers.Optimizer) and not any(
-                    item is f for f in found):
-                found.append(item)
-    return found
-
-
-def compile(mirrored, *args, **kwargs):
-    """`MirroredModel.compile` for a model with its own `train_step`.
-
-    Forwards every argument to the wrapped model's own `compile`, on the
-    mirrored copy and inside the strategy's scope; then compiles the wrapper
-    itself (no loss) so that Keras `fit` runs it. The wrapper's `optimizer`
-    is a step counter: its `iterations` advance once per global step.
-    """
-    if kwargs.get("jit_compile") is True:
-        raise ValueError(
-            "`jit_compile=True` is not supported: XLA cannot compile a "
-            "tf.distribute replica step. Received: jit_compile=True")
-    inner = mirrored._inner
-    with mirrored._strategy.scope():
-        args = [_fresh(a) for a in args]
-        kwargs = {k: _fresh(v) for k, v in kwargs.items()}
-        inner.compile(*args, **kwargs)
-    optimizers = _optimizers(inner)
-    _build(optimizers, inner, mirrored._strategy)
-    for optimizer in optimizers:
-        _compat.replace_optimizer_allreduce(optimizer, _weighted_allreduce)
-    counter = keras.optimizers.SGD(name="mirrored_step")
-    counter.build([])
-    keras.Model.compile(mirrored, optimizer=counter, jit_compile=False)
-
-
-def _build(optimizers, inner, strategy):
-    """Builds each unbuilt optimizer on all of the model's variables.
-
-    Inside a replica step an optimizer cannot create its variables (Keras's
-    step runs in the default strategy's context, whose variable creator
-    refuses mirrored variables), and which variables each optimizer updates
-    is known only to the step. So every optimizer that the model's own
-    `compile` did not build is built here on all trainable variables: an
-    optimizer may then update any subset of them, and slots of variables
-    it never updates stay at their initial values.
-    """
-    variables = inner.trainable_variables
-    if not variables:
-        return
-    with strategy.scope():
-        for optimizer in optimizers:
-            if not optimizer.built:
-                optimizer.build(variables)
-
-
-def _weighted_allreduce(original):
+def weighted_allreduce(original):
     """The replacement for an optimizer's `_all_reduce_sum_gradients`."""
 
     def all_reduce(grads_and_vars):
@@ -166,15 +90,49 @@ def _weighted_allreduce(original):
     return all_reduce
 
 
-def metrics(mirrored, own):
-    """The wrapper's metrics plus the wrapped model's (reset each epoch)."""
-    if not getattr(mirrored, "_custom_step", False):
-        return own
-    inner = mirrored.__dict__.get("_inner")
-    if inner is None or not inner.compiled:
-        return own
-    return list(own) + [m for m in inner.metrics
-                        if not any(m is o for o in own)]
+def reduce_before_clipping(original):
+    """The replacement for an optimizer's `_clip_gradients`.
+
+    In a replica step: the share-weighted all-reduce, then the optimizer's
+    own clipping of the global gradient (the optimizer's all-reduce hook is
+    then the identity).
+    """
+
+    def clip(grads):
+        ctx = active()
+        if ctx is None:
+            return original(grads)
+        weighted = [None if g is None else ctx.weight(g) for g in grads]
+        return original(allreduce.all_reduce_sum(
+            weighted, ctx._options, ctx._gradient_dtype))
+
+    return clip
+
+
+def reduced_already(original):
+    """The all-reduce hook once `reduce_before_clipping` has reduced."""
+
+    def all_reduce(grads_and_vars):
+        if active() is None:
+            return original(grads_and_vars)
+        return list(grads_and_vars)
+
+    return all_reduce
+
+
+def prepare_optimizer(optimizer):
+    """Installs the replica all-reduce of a model's own-step optimizer.
+
+    Before clipping where Keras lets it be (a plain optimizer); in the
+    all-reduce hook, after a per-replica clipping, for a
+    `LossScaleOptimizer` or with gradient accumulation.
+    """
+    if isinstance(optimizer, keras.optimizers.LossScaleOptimizer) or \
+            getattr(optimizer, "gradient_accumulation_steps", None):
+        _compat.replace_optimizer_allreduce(optimizer, weighted_allreduce)
+        return
+    _compat.replace_optimizer_clip(optimizer, reduce_before_clipping)
+    _compat.replace_optimizer_allreduce(optimizer, reduced_already)
 
 
 # -- the steps ---------------------------------------------------------------
@@ -183,6 +141,7 @@ def metrics(mirrored, own):
 def train_step(mirrored, data):
     """Runs the wrapped model's `train_step` on every replica's shard."""
     logs = _run(mirrored, data, "train_step")
+    mirrored._sync_state()
     mirrored.optimizer.iterations.assign_add(1)
     return logs
 
@@ -192,39 +151,97 @@ def test_step(mirrored, data):
     return _run(mirrored, data, "test_step")
 
 
-def _run(mirrored, data, method):
+def predict_step(mirrored, data):
+    """Runs the wrapped model's `predict_step`; rows in replica order."""
+    return _run(mirrored, data, "predict_step")
+
+
+def _split(data):
     flat = tf.nest.flatten(data)
     present = [i for i, t in enumerate(flat) if t is not None]
     tensors = [tf.convert_to_tensor(flat[i]) for i in present]
+    return flat, present, tensors
+
+
+def _rebuild(data, flat, present, shard):
+    leaves = list(flat)
+    for i, t in zip(present, shard):
+        leaves[i] = t
+    return tf.nest.pack_sequence_as(data, leaves)
+
+
+def _run(mirrored, data, method):
+    flat, present, tensors = _split(data)
     rows = tf.shape(tensors[0])[0]
     sizes = mirrored._plan_sizes(rows)
-    shards = mirrored._distribute(tensors, sizes)
+    offsets = split.offsets_tensor(sizes)
     step = getattr(mirrored._inner, method)
     n = mirrored.num_replicas
 
-    def replica_step(shard):
-        leaves = list(flat)
-        for i, t in zip(present, shard):
-            leaves[i] = t
-        shard_data = tf.nest.pack_sequence_as(data, leaves)
-        r = tf.distribute.get_replica_context().replica_id_in_sync_group
+    def one_replica(shard, r):
+        shard_data = _rebuild(data, flat, present, shard)
         shard_rows = tf.shape(shard[0])[0]
         ctx = ReplicaContext(r, n, shard_rows, rows, distributed=True,
                              options=mirrored._comm_options,
-                             gradient_dtype=mirrored._gradient_dtype)
+                             gradient_dtype=mirrored._gradient_dtype,
+                             offset=tf.gather(offsets, r),
+                             reduce_error=_graph_reduce_error(mirrored))
         with activate(ctx):
-            logs = step(shard_data)
+            out = step(shard_data)
         samples = tf.reshape(tf.cast(shard_rows, tf.float32), [1])
-        return _vectors(logs, method), samples
+        if method == "predict_step":
+            return out, samples
+        return _vectors(out, method), samples
 
-    # In the strategy's scope, an optimizer that the step builds on first
-    # use creates mirrored variables, as under stock Keras.
-    with mirrored._strategy.scope(), _compat.unscaled_losses():
-        vectors, samples = mirrored._strategy.run(replica_step,
-                                                  args=(shards,))
-    vectors = mirrored._gather(vectors)
-    samples = mirrored._gather(samples)
-    return _global_logs(vectors, samples, mirrored.replica_stats)
+    if mirrored.execution == "in_graph":
+        outs = []
+        with _scope.replica_scope(mirrored):
+            for r, (device, shard) in enumerate(zip(
+                    mirrored.devices, mirrored._in_graph_shards(tensors,
+                                                                rows))):
+                with tf.device(device):
+                    outs.append(one_replica(shard, r))
+        with tf.device(mirrored.devices[0]):
+            joined = tf.nest.map_structure(
+                lambda *p: tf.concat(p, axis=0), *outs)
+        vectors, samples = joined
+    else:
+        shards = mirrored._distribute(tensors, sizes)
+
+        def replica_step(shard):
+            r = tf.distribute.get_replica_context().replica_id_in_sync_group
+            return one_replica(shard, r)
+
+        with mirrored._strategy.scope(), _scope.replica_scope(mirrored):
+            out = mirrored._strategy.run(replica_step, args=(shards,))
+        vectors, samples = mirrored._gather(out)
+    if method == "predict_step":
+        return vectors
+    with tf.control_dependencies(tf.nest.flatten(vectors)):
+        results = _metric_results(mirrored._inner)
+    return _global_logs(vectors, samples, results,
+                        mirrored.replica_stats and method == "train_step")
+
+
+def _graph_reduce_error(mirrored):
+    if mirrored.execution != "in_graph":
+        return None
+    return ("`replica_context().all_reduce_*` is not available on the "
+            "'in_graph' execution path, whose replicas are traced one after "
+            "the other into one graph. Use `MirroredModel(..., "
+            "execution='strategy')`.")
+
+
+def _metric_results(model):
+    """The model's metric results, read after every replica's updates."""
+    if not getattr(model, "compiled", False):
+        return {}
+    try:
+        results = model.get_metrics_result()
+    except Exception:  # noqa: BLE001 (a metric that can't report yet)
+        return {}
+    return {k: v for k, v in results.items()
+            if tf.convert_to_tensor(v).shape.rank == 0}
 
 
 def _vectors(logs, method):
@@ -244,16 +261,23 @@ def _vectors(logs, method):
     return out
 
 
-def _global_logs(vectors, samples, with_vectors=True):
-    """`<key>`: share-weighted sums; `replica_<key>`: the vectors.
+def _global_logs(vectors, samples, results, with_vectors=True):
+    """`<key>`: a metric's result, else the share-weighted sum.
 
-    Without the vectors (`MirroredModel(replica_stats=False)`), only the
-    sums.
+    A key that names one of the model's metrics (`{m.name: m.result()}`,
+    the Keras guides' pattern) reports that metric read after every
+    replica's update: its state is the global batch's. Any other scalar is
+    combined by the replicas' shares (exact for per-batch means).
+    `replica_<key>`: the per-replica vectors (not with
+    `MirroredModel(replica_stats=False)`).
     """
     total = tf.reduce_sum(samples)
     share = tf.math.divide_no_nan(samples, total)
     logs = {}
     for key, vector in vectors.items():
+        if key in results:
+            logs[key] = tf.cast(results[key], tf.float32)
+            continue
         logs[key] = tf.reduce_sum(
             tf.where(samples > 0, vector * share, tf.zeros_like(vector)))
     if with_vectors:

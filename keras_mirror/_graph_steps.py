@@ -32,8 +32,9 @@ Keras reads, saves and checkpoints).
 import keras
 import tensorflow as tf
 
-from keras_mirror import _compat
+from keras_mirror import _reductions
 from keras_mirror import _replica_logs
+from keras_mirror import _scope
 from keras_mirror import _steps
 from keras_mirror import allreduce
 from keras_mirror import split
@@ -46,27 +47,34 @@ _NO_REDUCE = (
     "one graph. Use `MirroredModel(..., execution='strategy')`.")
 
 
-def _context(mirrored, r, shard_rows, rows):
+def _context(mirrored, r, shard_rows, rows, offset):
     return activate(ReplicaContext(
         r, len(mirrored.devices), shard_rows, rows, distributed=True,
-        reduce_error=_NO_REDUCE))
+        reduce_error=_NO_REDUCE, offset=offset))
 
 
 def _shards(mirrored, data, rows):
-    """Slices `data` into the replicas' shards, each on its device."""
-    devices = mirrored.devices
-    if len(devices) == 1:  # the plan is the whole batch
-        return [data]
-    sizes = mirrored._plan_sizes(rows)
-    offsets = split.offsets_tensor(sizes)
-    shards = []
-    for r, device in enumerate(devices):
-        with tf.device(device):
-            shards.append(tf.nest.map_structure(
-                lambda t, r=r: _steps._dynamic_rows(
-                    t[offsets[r]:offsets[r] + sizes[r]]),
-                data))
-    return shards
+    """`[(shard, offset)]`: `data`'s shards, each sliced on its device."""
+    if len(mirrored.devices) == 1:
+        return [(data, 0)]
+    offsets = split.offsets_tensor(mirrored._plan_sizes(rows))
+    return [(shard, offsets[r]) for r, shard in enumerate(
+        mirrored._in_graph_shards(data, rows))]
+
+
+def _loss(mirrored, x, y, y_pred, sw, training):
+    return tf.cast(_reductions.compute_loss(
+        mirrored._inner, x, y, y_pred, sw, training), tf.float32)
+
+
+def _contribution(mirrored, shard_loss, extras, count, total, first):
+    """`_steps.contribution`, with the batch-sum terms weighted 1."""
+    reductions = getattr(mirrored, "_reductions", None)
+    summed = (reductions.sum_terms(shard_loss, extras)
+              if reductions is not None else 0.0)
+    return _steps.contribution(
+        shard_loss - summed, _steps._weight_regularization(mirrored._inner),
+        count, total, first) + summed
 
 
 def _concat(parts, masks=None):
@@ -167,7 +175,7 @@ def train_step(mirrored, data):
     rows = _steps._batch_size(x)
     packed, present = mirrored._pack(x, y, sw)
     inner = mirrored._inner
-    optimizer = mirrored.optimizer
+    optimizer = inner.optimizer
     variables = inner.trainable_weights
     guard = _StateGuard(inner, len(mirrored.devices))
     keys = mirrored._stat_keys()
@@ -176,23 +184,24 @@ def train_step(mirrored, data):
     # Forward passes first: a masked output's shares need every shard's
     # count of unmasked entries. Each replica's tape is entered again to
     # record its share of the loss.
-    tapes, shard_losses, preds, masks, parts = [], [], [], [], []
-    for r, (device, shard) in enumerate(
-            zip(mirrored.devices, _shards(mirrored, packed, rows))):
-        xr, yr, swr = mirrored._unpack(shard, present)
-        with tf.device(device):
-            shard_rows = _steps._batch_size(xr)
-            tape = tf.GradientTape()
-            with tape, _context(mirrored, r, shard_rows, rows):
-                y_pred = inner(xr, training=True)
-                shard_losses.append(tf.cast(mirrored.compute_loss(
-                    x=xr, y=yr, y_pred=y_pred, sample_weight=swr,
-                    training=True), tf.float32))
-        guard.after_replica(r)
-        tapes.append(tape)
-        preds.append(y_pred)
-        masks.append(_steps.output_mask(y_pred) if n > 1 else None)
-        parts.append((device, shard_rows, swr))
+    tapes, shard_losses, preds, masks, parts, extras = [], [], [], [], [], []
+    with _scope.replica_scope(mirrored):
+        for r, (device, (shard, offset)) in enumerate(
+                zip(mirrored.devices, _shards(mirrored, packed, rows))):
+            xr, yr, swr = mirrored._unpack(shard, present)
+            with tf.device(device):
+                shard_rows = _steps._batch_size(xr)
+                tape = tf.GradientTape()
+                with tape, _context(mirrored, r, shard_rows, rows, offset):
+                    y_pred = inner(xr, training=True)
+                    shard_losses.append(_loss(mirrored, xr, yr, y_pred, swr,
+                                              True))
+                    extras.append(list(inner.losses))
+            guard.after_replica(r)
+            tapes.append(tape)
+            preds.append(y_pred)
+            masks.append(_steps.output_mask(y_pred) if n > 1 else None)
+            parts.append((device, shard_rows, swr))
     counts, total = _shares(masks, [p[1] for p in parts], rows)
     grads, contributions, stats = [], [], []
     for r, ((device, shard_rows, swr), tape, shard_loss) in enumerate(
@@ -202,9 +211,9 @@ def train_step(mirrored, data):
                 if n == 1:
                     contribution = shard_loss  # the whole batch: share 1
                 else:
-                    contribution = _steps.contribution(
-                        shard_loss, _steps._weight_regularization(inner),
-                        counts[r], total, r == 0)
+                    contribution = _contribution(
+                        mirrored, shard_loss, extras[r], counts[r], total,
+                        r == 0)
                 scaled = optimizer.scale_loss(contribution)
             g = tape.gradient(scaled, variables)
             if r > 0:  # replica 0 holds a row of every non-empty batch
@@ -232,10 +241,7 @@ def train_step(mirrored, data):
             tf.cond(tf.equal(nonfinite, 0),
                     apply, lambda: tf.constant(False))
         y_pred = _concat(preds, masks)
-        tracker = _compat.loss_tracker(mirrored)
-        if tracker is not None:
-            tracker.update_state(loss, sample_weight=rows)
-        logs = dict(mirrored.compute_metrics(x, y, y_pred, sample_weight=sw))
+        logs = mirrored._track(x, y, y_pred, sw, loss, rows)
         if packed_stats is not None:
             logs[_replica_logs.PACKED] = packed_stats
     return logs
@@ -246,44 +252,44 @@ def test_step(mirrored, data):
     rows = _steps._batch_size(x)
     packed, present = mirrored._pack(x, y, sw)
     inner = mirrored._inner
-    preds, shard_losses, masks, shard_rows = [], [], [], []
-    for r, (device, shard) in enumerate(
-            zip(mirrored.devices, _shards(mirrored, packed, rows))):
-        xr, yr, swr = mirrored._unpack(shard, present)
-        with tf.device(device), _context(mirrored, r, _steps._batch_size(xr),
-                                         rows):
-            y_pred = inner(xr, training=False)
-            shard_losses.append(tf.cast(mirrored.compute_loss(
-                x=xr, y=yr, y_pred=y_pred, sample_weight=swr,
-                training=False), tf.float32))
-            shard_rows.append(_steps._batch_size(xr))
-        preds.append(y_pred)
-        masks.append(_steps.output_mask(y_pred)
-                     if len(mirrored.devices) > 1 else None)
+    preds, shard_losses, masks, shard_rows, extras = [], [], [], [], []
+    with _scope.replica_scope(mirrored):
+        for r, (device, (shard, offset)) in enumerate(
+                zip(mirrored.devices, _shards(mirrored, packed, rows))):
+            xr, yr, swr = mirrored._unpack(shard, present)
+            rows_r = _steps._batch_size(xr)
+            with tf.device(device), _context(mirrored, r, rows_r, rows,
+                                             offset):
+                y_pred = inner(xr, training=False)
+                shard_losses.append(_loss(mirrored, xr, yr, y_pred, swr,
+                                          False))
+                extras.append(list(inner.losses))
+                shard_rows.append(rows_r)
+            preds.append(y_pred)
+            masks.append(_steps.output_mask(y_pred)
+                         if len(mirrored.devices) > 1 else None)
     counts, total = _shares(masks, shard_rows, rows)
     contributions = []
     for r, (device, shard_loss) in enumerate(
             zip(mirrored.devices, shard_losses)):
         with tf.device(device):
-            contributions.append(_steps.contribution(
-                shard_loss, _steps._weight_regularization(inner),
-                counts[r], total, r == 0))
+            contributions.append(_contribution(
+                mirrored, shard_loss, extras[r], counts[r], total, r == 0))
     with tf.device(mirrored.devices[0]):
         y_pred = _concat(preds, masks)
-        tracker = _compat.loss_tracker(mirrored)
-        if tracker is not None:
-            tracker.update_state(tf.add_n(contributions), sample_weight=rows)
-        return mirrored.compute_metrics(x, y, y_pred, sample_weight=sw)
+        return mirrored._track(x, y, y_pred, sw, tf.add_n(contributions),
+                               rows)
 
 
 def predict_step(mirrored, data):
     x, _, _ = keras.utils.unpack_x_y_sample_weight(data)
     preds = []
     rows = _steps._batch_size(x)
-    for r, (device, shard) in enumerate(
-            zip(mirrored.devices, _shards(mirrored, x, rows))):
-        with tf.device(device), _context(mirrored, r,
-                                         _steps._batch_size(shard), rows):
-            preds.append(mirrored._inner(shard, training=False))
+    with _scope.replica_scope(mirrored):
+        for r, (device, (shard, offset)) in enumerate(
+                zip(mirrored.devices, _shards(mirrored, x, rows))):
+            with tf.device(device), _context(
+                    mirrored, r, _steps._batch_size(shard), rows, offset):
+                preds.append(mirrored._inner(shard, training=False))
     with tf.device(mirrored.devices[0]):
         return _concat(preds)

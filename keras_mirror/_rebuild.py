@@ -1,14 +1,12 @@
-"""Rebuilding a user's model under a strategy's scope."""
+"""The `model` argument: checks, the factory form, building from a batch.
+
+`MirroredModel` trains the user's own model object in place (see
+`_homes.py`); nothing here copies a model.
+"""
 
 import keras
 
 from keras_mirror import errors
-
-_FIX = (
-    "Pass a zero-argument function that builds the model instead, e.g. "
-    "`MirroredModel(lambda: MyModel(...))`, or give the model "
-    "`get_config()`/`from_config()`."
-)
 
 
 def check_model(model):
@@ -23,8 +21,19 @@ def check_model(model):
     )
 
 
+def check_not_wrapped(model):
+    """Refuses a `MirroredModel` passed to `MirroredModel`."""
+    from keras_mirror.mirrored_model import MirroredModel
+
+    if isinstance(model, MirroredModel):
+        raise ValueError(
+            "`model` is already a `MirroredModel`: wrap the plain Keras "
+            "model once (`MirroredModel(model)`), or use the existing "
+            f"wrapper. Received: model={model.name!r}")
+
+
 def build_original(model):
-    """Returns the single-device model that `MirroredModel.model` exposes."""
+    """Returns the user's model (calling a factory once)."""
     if isinstance(model, keras.Model):
         return model
     built = model()
@@ -41,8 +50,8 @@ def check_weights_exist(model):
 
     Keras's default `build()` on a subclassed model without a `build` of
     its own marks it built without building its layers (with a warning);
-    the copy would then create its variables inside a replica step, where
-    a strategy cannot mirror them.
+    its variables would then be created inside a replica step, where a
+    strategy cannot mirror them.
     """
     unbuilt = [layer.name for layer in model.layers if not layer.built]
     if model.built and not model.weights and unbuilt:
@@ -56,62 +65,23 @@ def check_weights_exist(model):
         )
 
 
-def clone_in_scope(model, factory, strategy):
-    """Creates the replica-mirrored copy of `model` inside `strategy.scope()`.
-
-    `factory` is the user's model function, or None to clone `model`
-    (Sequential and Functional models by `keras.models.clone_model`,
-    subclassed ones by `from_config(get_config())`). The copy gets the
-    original's weights when the original is built.
-    """
-    with strategy.scope():
-        try:
-            if factory is not None:
-                clone = factory()
-            else:
-                clone = keras.models.clone_model(model)
-        except Exception as e:  # noqa: BLE001 (any failure means: can't clone)
-            raise errors.ModelRebuildError(
-                f"keras-mirror could not rebuild the model "
-                f"{type(model).__name__!r} under the distribution strategy "
-                f"({type(e).__name__}: {e}). {_FIX} "
-                f"Received: model={type(model).__name__}"
-            ) from e
-        if model.built and not clone.built:
-            build_like(clone, model)
-    if model.built:
-        copy_weights(model, clone)
-    return clone
+def synchronized_layers(model):
+    """Names of the model's `BatchNormalization(synchronized=True)` layers."""
+    return [layer.name for layer in _all_layers(model)
+            if isinstance(layer, keras.layers.BatchNormalization)
+            and getattr(layer, "synchronized", False)]
 
 
-def build_like(clone, model):
-    """Builds `clone` with the input shapes that `model` was built with."""
-    try:
-        config = model.get_build_config()
-        if config:
-            clone.build_from_config(config)
-    except Exception as e:  # noqa: BLE001
-        raise errors.ModelRebuildError(
-            f"keras-mirror could not build the copy of "
-            f"{type(model).__name__!r} ({type(e).__name__}: {e}). {_FIX} "
-            f"Received: model={type(model).__name__}"
-        ) from e
-
-
-def copy_weights(source, target):
-    """Copies all weights of `source` into `target` (same architecture)."""
-    src, dst = source.weights, target.weights
-    if len(src) != len(dst) or any(
-        tuple(a.shape) != tuple(b.shape) for a, b in zip(src, dst)
-    ):
-        raise errors.ModelRebuildError(
-            f"The rebuilt copy of {type(source).__name__!r} has weights "
-            f"{[tuple(w.shape) for w in dst]} but the model has "
-            f"{[tuple(w.shape) for w in src]}. {_FIX} "
-            f"Received: model={type(source).__name__}"
-        )
-    for a, b in zip(src, dst):
-        b.assign(a.value)
+def _all_layers(model):
+    out, stack, seen = [], list(getattr(model, "layers", [])), set()
+    while stack:
+        layer = stack.pop(0)
+        if id(layer) in seen:
+            continue
+        seen.add(id(layer))
+        out.append(layer)
+        stack.extend(getattr(layer, "layers", []) or [])
+    return out
 
 
 def build_from_batch(model, x):

@@ -17,7 +17,9 @@ import keras
 import tensorflow as tf
 
 from keras_mirror import _compat
+from keras_mirror import _reductions
 from keras_mirror import _replica_logs
+from keras_mirror import _scope
 from keras_mirror import allreduce
 from keras_mirror import split
 from keras_mirror.replica_context import ReplicaContext
@@ -278,6 +280,20 @@ class ReplicaSteps:
     def _first(self, per_replica):
         return self._strategy.experimental_local_results(per_replica)[0]
 
+    def _in_graph_shards(self, data, rows):
+        """`data`'s shards, each sliced on its replica's device (in_graph)."""
+        if len(self._devices) == 1:  # the plan is the whole batch
+            return [data]
+        sizes = self._plan_sizes(rows)
+        offsets = split.offsets_tensor(sizes)
+        shards = []
+        for r, device in enumerate(self._devices):
+            with tf.device(device):
+                shards.append(tf.nest.map_structure(
+                    lambda t, r=r: _dynamic_rows(
+                        t[offsets[r]:offsets[r] + sizes[r]]), data))
+        return shards
+
     @staticmethod
     def _pack(x, y, sw):
         """Drops the None parts; returns (present parts, which were there)."""
@@ -290,13 +306,14 @@ class ReplicaSteps:
         it = iter(packed)
         return tuple(next(it) if p else None for p in present)
 
-    def _context(self, global_rows, x):
+    def _context(self, global_rows, x, offsets):
         """Makes `replica_context()` describe this replica in its step."""
-        ctx = tf.distribute.get_replica_context()
+        r = tf.distribute.get_replica_context().replica_id_in_sync_group
         return activate(ReplicaContext(
-            ctx.replica_id_in_sync_group, self.num_replicas, _batch_size(x),
-            global_rows, distributed=True, options=self._comm_options,
-            gradient_dtype=self._gradient_dtype))
+            r, self.num_replicas, _batch_size(x), global_rows,
+            distributed=True, options=self._comm_options,
+            gradient_dtype=self._gradient_dtype,
+            offset=tf.gather(offsets, r)))
 
     # -- losses ------------------------------------------------------------
 
@@ -304,20 +321,26 @@ class ReplicaSteps:
                       mask=None):
         """Returns (contribution to the global loss, shard loss)."""
         ctx = tf.distribute.get_replica_context()
-        n = tf.cast(ctx.num_replicas_in_sync, tf.float32)
-        # Keras divides losses by the replica count inside a strategy;
-        # multiplying back gives the shard's own single-device loss.
-        shard = tf.cast(
-            self.compute_loss(x=x, y=y, y_pred=y_pred, sample_weight=sw,
-                              training=training), tf.float32) * n
-        reg = _weight_regularization(self._inner)
+        # Losses are not divided by the replica count in a step
+        # (`_compat.unscaled_losses`): this is one device's loss of the shard.
+        shard = tf.cast(_reductions.compute_loss(
+            self._inner, x, y, y_pred, sw, training), tf.float32)
         first = tf.equal(ctx.replica_id_in_sync_group, 0)
         if mask is None:
             count, total = _batch_size(x), global_rows
         else:
             count = unmasked_entries(mask)
             total = ctx.all_reduce(tf.distribute.ReduceOp.SUM, count)
-        return contribution(shard, reg, count, total, first), shard
+        return self._contribution(shard, count, total, first), shard
+
+    def _contribution(self, shard, count, total, first):
+        """`contribution` with the batch-sum terms (`_reductions`) unweighted.
+        """
+        reductions = getattr(self, "_reductions", None)
+        summed = (reductions.sum_terms(shard, self._inner.losses)
+                  if reductions is not None else 0.0)
+        reg = _weight_regularization(self._inner)
+        return contribution(shard - summed, reg, count, total, first) + summed
 
     def _with_mask(self, y_pred, mask):
         """`(y_pred, its mask)` to gather, noting whether there is one."""
@@ -330,26 +353,36 @@ class ReplicaSteps:
             return with_mask(*gathered)
         return gathered
 
+    def _track(self, x, y, y_pred, sw, loss, rows):
+        """The global loss and metrics, on one device, as Keras logs them."""
+        tracker = _compat.loss_tracker(self._inner)
+        if tracker is not None:
+            tracker.update_state(loss, sample_weight=rows)
+        return dict(self._inner.compute_metrics(x, y, y_pred,
+                                                sample_weight=sw))
+
     # -- train -------------------------------------------------------------
 
-    def _replica_train(self, packed, present, global_rows, start):
+    def _replica_train(self, packed, present, global_rows, start, offsets):
         x, y, sw = self._unpack(packed, present)
         rows = _batch_size(x)
         keys = self._stat_keys()
         variables = self._inner.trainable_weights
-        with tf.GradientTape() as tape, self._context(global_rows, x):
+        optimizer = self._inner.optimizer
+        with tf.GradientTape() as tape, self._context(global_rows, x,
+                                                      offsets):
             y_pred = self._inner(x, training=True)
             mask = output_mask(y_pred)
             contribution, shard = self._replica_loss(
                 x, y, y_pred, sw, True, global_rows, mask)
-            scaled = self.optimizer.scale_loss(contribution)
+            scaled = optimizer.scale_loss(contribution)
         grads = zero_if_empty(tape.gradient(scaled, variables), rows)
         stats = compute_stats(keys, start, grads, shard, rows, sw)
         reduced = allreduce.all_reduce_sum(
             grads, self._comm_options, self._gradient_dtype)
         ctx = tf.distribute.get_replica_context()
         if self.on_nonfinite == "warn":
-            self.optimizer.apply(reduced, variables)
+            optimizer.apply(reduced, variables)
         else:
             total_nonfinite = ctx.all_reduce(tf.distribute.ReduceOp.SUM,
                                              stats["replica_nonfinite"])
@@ -371,7 +404,7 @@ class ReplicaSteps:
 
             def apply_on_each():
                 strategy.extended.call_for_each_replica(
-                    lambda g: self.optimizer.apply(g, variables),
+                    lambda g: self._inner.optimizer.apply(g, variables),
                     args=(grads,))
 
             # A cond whose branch calls `merge_call` must run in the
@@ -386,17 +419,16 @@ class ReplicaSteps:
         rows = _batch_size(x)
         packed, present = self._pack(x, y, sw)
         start, packed = step_start(packed, self._stat_keys())
-        shards = self._distribute(packed, self._plan_sizes(rows))
-        y_pred, loss, stats = self._strategy.run(
-            self._replica_train, args=(shards, present, rows, start))
+        sizes = self._plan_sizes(rows)
+        shards = self._distribute(packed, sizes)
+        offsets = split.offsets_tensor(sizes)
+        with _scope.replica_scope(self):
+            y_pred, loss, stats = self._strategy.run(
+                self._replica_train,
+                args=(shards, present, rows, start, offsets))
         self._sync_state()
         y_pred = self._gather_predictions(y_pred)
-        loss = self._first(loss)
-        tracker = _compat.loss_tracker(self)
-        if tracker is not None:
-            tracker.update_state(loss, sample_weight=rows)
-        logs = self.compute_metrics(x, y, y_pred, sample_weight=sw)
-        logs = dict(logs)
+        logs = self._track(x, y, y_pred, sw, self._first(loss), rows)
         if stats is not None:
             logs[_replica_logs.PACKED] = self._gather(stats)
         return logs
@@ -418,13 +450,13 @@ class ReplicaSteps:
 
     # -- test and predict --------------------------------------------------
 
-    def _replica_test(self, packed, present, global_rows):
+    def _replica_test(self, packed, present, global_rows, offsets):
         x, y, sw = self._unpack(packed, present)
-        with self._context(global_rows, x):
+        with self._context(global_rows, x, offsets):
             y_pred = self._inner(x, training=False)
-        mask = output_mask(y_pred)
-        contribution, shard = self._replica_loss(
-            x, y, y_pred, sw, False, global_rows, mask)
+            mask = output_mask(y_pred)
+            contribution, shard = self._replica_loss(
+                x, y, y_pred, sw, False, global_rows, mask)
         ctx = tf.distribute.get_replica_context()
         loss = ctx.all_reduce(tf.distribute.ReduceOp.SUM, contribution)
         return self._with_mask(y_pred, mask), loss
@@ -433,22 +465,26 @@ class ReplicaSteps:
         x, y, sw = keras.utils.unpack_x_y_sample_weight(data)
         rows = _batch_size(x)
         packed, present = self._pack(x, y, sw)
-        shards = self._distribute(packed, self._plan_sizes(rows))
-        y_pred, loss = self._strategy.run(
-            self._replica_test, args=(shards, present, rows))
+        sizes = self._plan_sizes(rows)
+        shards = self._distribute(packed, sizes)
+        offsets = split.offsets_tensor(sizes)
+        with _scope.replica_scope(self):
+            y_pred, loss = self._strategy.run(
+                self._replica_test, args=(shards, present, rows, offsets))
         y_pred = self._gather_predictions(y_pred)
-        tracker = _compat.loss_tracker(self)
-        if tracker is not None:
-            tracker.update_state(self._first(loss), sample_weight=rows)
-        return self.compute_metrics(x, y, y_pred, sample_weight=sw)
+        return self._track(x, y, y_pred, sw, self._first(loss), rows)
 
-    def _replica_predict(self, x, global_rows):
-        with self._context(global_rows, x):
+    def _replica_predict(self, x, global_rows, offsets):
+        with self._context(global_rows, x, offsets):
             return self._inner(x, training=False)
 
     def predict_step(self, data):
         x, _, _ = keras.utils.unpack_x_y_sample_weight(data)
         rows = _batch_size(x)
-        shards = self._distribute(x, self._plan_sizes(rows))
-        return self._gather(self._strategy.run(self._replica_predict,
-                                               args=(shards, rows)))
+        sizes = self._plan_sizes(rows)
+        shards = self._distribute(x, sizes)
+        offsets = split.offsets_tensor(sizes)
+        with _scope.replica_scope(self):
+            out = self._strategy.run(self._replica_predict,
+                                     args=(shards, rows, offsets))
+        return self._gather(out)

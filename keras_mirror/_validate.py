@@ -229,14 +229,14 @@ def _probe_batch(x, y):
 
 
 def _check_loss_per_example(mirrored, x, y):
-    loss = mirrored.loss
+    loss = getattr(mirrored._inner, "loss", None)
     if not callable(loss) or isinstance(loss, (str, keras.losses.Loss)):
         return
     batch = _probe_batch(x, y)
     if batch is None:
         return
     xs, ys = batch
-    y_pred = mirrored._original(xs, training=False)
+    y_pred = mirrored._inner(xs, training=False)
     values = loss(tf.convert_to_tensor(ys), y_pred)
     rows = int(tf.nest.flatten(xs)[0].shape[0])
     shape = tuple(values.shape)

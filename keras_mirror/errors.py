@@ -32,3 +32,7 @@ class ClusterConfigError(KerasMirrorError, ValueError):
 
 class UnsafeModelError(KerasMirrorError, ValueError):
     """A model file that could run code when loaded, or is not `.keras`."""
+
+
+class LossReductionError(KerasMirrorError, ValueError):
+    """A loss term that is neither a batch mean nor a batch sum."""

@@ -4,8 +4,10 @@ import keras
 import tensorflow as tf
 
 from keras_mirror import _compat
+from keras_mirror import _compile
 from keras_mirror import _custom_step
 from keras_mirror import _graph_steps
+from keras_mirror import _homes
 from keras_mirror import _inputs
 from keras_mirror import _multi_worker
 from keras_mirror import _rebuild
@@ -21,7 +23,6 @@ from keras_mirror.callbacks import step_backup
 BATCH_MODES = ("global", "per_replica")
 NONFINITE_MODES = ("warn", "skip_step", "raise")
 EXECUTIONS = ("auto", "in_graph", "strategy")
-_EXACT_REDUCTIONS = ("sum_over_batch_size", "mean")
 
 
 class MirroredModel(_steps.ReplicaSteps, keras.Model):
@@ -146,6 +147,7 @@ class MirroredModel(_steps.ReplicaSteps, keras.Model):
             communication, bytes_per_pack, timeout_seconds)
         allreduce.check_gradient_dtype(gradient_dtype)
         _validate.check_choice("execution", execution, EXECUTIONS)
+        _rebuild.check_not_wrapped(model)
         resolved = devices_lib.resolve_devices(devices)
         spec = _multi_worker.cluster_spec(cluster)
         _multi_worker.check_worker_input(worker_input, spec)
@@ -161,15 +163,14 @@ class MirroredModel(_steps.ReplicaSteps, keras.Model):
             if v != {"bytes_per_pack": 0, "communication": "auto"}[k]}
         execution, reason = _pick_execution(
             execution, resolved, spec, _custom_step.has_custom_step(original),
-            collective_options)
+            collective_options, _rebuild.synchronized_layers(original))
         if spec is None and execution == "strategy":
             strategy = devices_lib.mirrored_strategy(resolved, communication)
         elif spec is None:
-            # One copy of the variables, on the first device.
-            strategy = tf.distribute.OneDeviceStrategy(resolved[0])
+            # The variables stay where the user made them; the steps place
+            # each replica's shard with `tf.device`.
+            strategy = tf.distribute.get_strategy()
         launch_lib.mark_ready()
-        factory = None if isinstance(model, keras.Model) else model
-        inner = _rebuild.clone_in_scope(original, factory, strategy)
         super().__init__(name=name or f"mirrored_{original.name}")
         self._strategy = strategy
         self._devices = tuple(resolved)
@@ -178,9 +179,11 @@ class MirroredModel(_steps.ReplicaSteps, keras.Model):
         self._multi_worker = spec is not None
         self._cluster = spec
         self._worker_input = worker_input
-        # Not tracked by Keras: the wrapper's weights are the replicas' only.
-        object.__setattr__(self, "_original", original)
-        self._inner = inner
+        # The user's own model object trains: no copy, no config round trip.
+        self._inner = original
+        object.__setattr__(self, "_homes", (
+            _homes.VariableHomes(original, strategy)
+            if execution == "strategy" else _homes.NoHomes()))
         self._batch_mode = batch
         self._capacity = None
         self.on_nonfinite = on_nonfinite
@@ -188,14 +191,13 @@ class MirroredModel(_steps.ReplicaSteps, keras.Model):
         self._gradient_dtype = gradient_dtype
         self._comm_options = comm
         self.replica_history = {}
-        self._custom_step = _custom_step.setup(original, inner)
-        if inner.built:
+        self._custom_step = _custom_step.setup(original)
+        if original.built:
             self.built = True
         if spec is not None:
             _multi_worker.log_layout(self)
-        if getattr(original, "compiled", False) and original.optimizer \
-                and _custom_step.can_compile_like(original):
-            self._compile_like(original)
+        if getattr(original, "compiled", False):
+            _compile.adopt(self)
 
     # -- public attributes -------------------------------------------------
 
@@ -316,57 +318,27 @@ class MirroredModel(_steps.ReplicaSteps, keras.Model):
     # -- compile -----------------------------------------------------------
 
     def compile(self, *args, **kwargs):
-        """Configures training as `keras.Model.compile` does.
+        """Compiles the wrapped model, with its own `compile`'s arguments.
 
-        The optimizer is created anew, from its class and config, inside the
-        strategy's scope so that its variables are mirrored. `jit_compile`
-        must stay off: XLA cannot compile a `tf.distribute` step.
-
-        A model with its own `train_step` gets its own `compile`'s arguments
-        (e.g. `d_optimizer=..., g_optimizer=..., loss_fn=...`), forwarded to
-        it inside the strategy's scope, with fresh copies of the optimizers.
+        The arguments go, unchanged, to the user's model's own `compile`
+        (Keras's, or a GAN's `compile(d_optimizer=..., g_optimizer=...,
+        loss_fn=...)`): its loss functions, metrics and optimizers are used
+        as given, never rebuilt from a config, so unregistered custom
+        objects work and an explicit `LossScaleOptimizer` is wrapped once.
+        `jit_compile` must stay off: XLA cannot compile a `tf.distribute`
+        step. Compiling the model before wrapping it does the same.
         """
-        if self._custom_step:
-            return _custom_step.compile(self, *args, **kwargs)
-        return self._compile_builtin(*args, **kwargs)
+        _compile.compile(self, *args, **kwargs)
 
-    def _compile_builtin(self, optimizer="rmsprop", loss=None,
-                         loss_weights=None, metrics=None,
-                         weighted_metrics=None, run_eagerly=False,
-                         steps_per_execution=1, jit_compile="auto",
-                         auto_scale_loss=True):
-        if jit_compile is True:
-            raise ValueError(
-                "`jit_compile=True` is not supported: XLA cannot compile a "
-                "tf.distribute replica step. Received: jit_compile=True")
-        _check_reductions(loss)
-        with self._strategy.scope():
-            opt = _mirrored_optimizer(optimizer)
-            if (auto_scale_loss and keras.config.dtype_policy().name
-                    == "mixed_float16"):
-                opt = keras.optimizers.LossScaleOptimizer(opt)
-            if self._inner.built:
-                opt.build(self._inner.trainable_variables)
-        _compat.disable_optimizer_allreduce(opt)
-        super().compile(
-            optimizer=opt, loss=loss, loss_weights=loss_weights,
-            metrics=metrics, weighted_metrics=weighted_metrics,
-            run_eagerly=run_eagerly, steps_per_execution=steps_per_execution,
-            jit_compile=False, auto_scale_loss=False)
-
-    def _compile_like(self, original):
-        """Compiles with `original`'s compile configuration."""
-        config = keras.saving.deserialize_keras_object(
-            original.get_compile_config())
-        # XLA can't compile a replica step; the rest carries over.
-        config.pop("jit_compile", None)
-        self.compile(**config)
-
-    # -- a model's own train_step (see _custom_step.py) --------------------
+    # -- the steps: the wrapped model's own methods, on every replica -------
 
     @property
     def metrics(self):
-        return _custom_step.metrics(self, super().metrics)
+        """The wrapped model's metrics (Keras resets them every epoch)."""
+        inner = self.__dict__.get("_inner")
+        if inner is None or not getattr(inner, "compiled", False):
+            return super().metrics
+        return inner.metrics
 
     def train_step(self, data):
         if self._custom_step:
@@ -390,13 +362,15 @@ class MirroredModel(_steps.ReplicaSteps, keras.Model):
         return self.train_function
 
     def test_step(self, data):
-        if self._custom_step:
+        if _custom_step.overrides(self._inner, "test_step"):
             return _custom_step.test_step(self, data)
         if self._execution == "in_graph":
             return _graph_steps.test_step(self, data)
         return super().test_step(data)
 
     def predict_step(self, data):
+        if _custom_step.overrides(self._inner, "predict_step"):
+            return _custom_step.predict_step(self, data)
         if self._execution == "in_graph":
             return _graph_steps.predict_step(self, data)
         return super().predict_step(data)
@@ -404,27 +378,28 @@ class MirroredModel(_steps.ReplicaSteps, keras.Model):
     # -- building ----------------------------------------------------------
 
     def _ensure_built(self, x, y=None, sample_weight=None):
-        """Builds the replicas, optimizer, loss and metrics before a step.
+        """Builds the model, optimizers, loss and metrics before a step.
 
         Building in the first step would split an unbuilt model's first
         batch (which may not divide) and create variables inside replicas.
+        Everything is built on one device, as the user's model would be;
+        the variables then move to the strategy (`_homes`).
         """
         batch = _inputs.first_batch(x, y, sample_weight)
+        inner = self._inner
         if batch is None:
-            if self._inner.built and self.optimizer.built:
+            if inner.built and all(
+                    o.built for o in _homes.optimizers_of(inner)):
                 return
             raise ValueError(
                 "The wrapped model is not built and keras-mirror cannot "
                 "take a batch from this input to build it. Build the model "
                 "first (e.g. `model.build(input_shape)`). "
                 f"Received: x={type(x).__name__}")
-        with self._strategy.scope():
-            _rebuild.build_from_batch(self._inner, batch[0])
-            if self.optimizer is not None and not self.optimizer.built:
-                self.optimizer.build(self._inner.trainable_variables)
-        _rebuild.build_from_batch(self._original, batch[0])
+        _rebuild.build_from_batch(inner, batch[0])
+        _compile.build(self, batch)
         self.built = True
-        _compat.symbolic_build(self, batch)
+        self._homes.refresh()
 
     def _require_compiled(self, method):
         if not self.compiled or self.optimizer is None:
@@ -497,15 +472,17 @@ class MirroredModel(_steps.ReplicaSteps, keras.Model):
                                     kwargs.get("validation_split", 0.0))
         callbacks = self._callbacks(callbacks, verbose, epochs, steps)
         backup = step_backup.find(callbacks)
-        if backup is not None:
-            return backup.resume_fit(
-                self, super().fit, x, y, batch_size, epochs, steps_per_epoch,
-                dict(kwargs, verbose=verbose, callbacks=callbacks,
-                     validation_data=validation_data), steps=steps)
-        return super().fit(
-            x, y, batch_size=batch_size, epochs=epochs, verbose=verbose,
-            callbacks=callbacks, validation_data=validation_data,
-            steps_per_epoch=steps_per_epoch, **kwargs)
+        with self._homes.mirrored():
+            if backup is not None:
+                return backup.resume_fit(
+                    self, super().fit, x, y, batch_size, epochs,
+                    steps_per_epoch,
+                    dict(kwargs, verbose=verbose, callbacks=callbacks,
+                         validation_data=validation_data), steps=steps)
+            return super().fit(
+                x, y, batch_size=batch_size, epochs=epochs, verbose=verbose,
+                callbacks=callbacks, validation_data=validation_data,
+                steps_per_epoch=steps_per_epoch, **kwargs)
 
     def evaluate(self, x=None, y=None, batch_size=None, **kwargs):
         """Evaluates as `keras.Model.evaluate`, with exact global metrics."""
@@ -513,60 +490,59 @@ class MirroredModel(_steps.ReplicaSteps, keras.Model):
         if not kwargs.get("_use_cached_eval_dataset"):
             x, batch_size = self._adapt_input(x, batch_size)
             self._ensure_built(x, y, kwargs.get("sample_weight"))
-        return super().evaluate(x, y, batch_size=batch_size, **kwargs)
+        with self._homes.mirrored():
+            return super().evaluate(x, y, batch_size=batch_size, **kwargs)
 
     def predict(self, x, batch_size=None, **kwargs):
         """Predicts as `keras.Model.predict`; rows keep the input order."""
         x, batch_size = self._adapt_input(x, batch_size)
         if not self._inner.built:
-            with self._strategy.scope():
-                _rebuild.build_from_batch(self._inner, _inputs.first_x(x))
-            _rebuild.build_from_batch(self._original, _inputs.first_x(x))
-        return super().predict(x, batch_size=batch_size, **kwargs)
+            _rebuild.build_from_batch(self._inner, _inputs.first_x(x))
+            self._homes.refresh()
+        with self._homes.mirrored():
+            return super().predict(x, batch_size=batch_size, **kwargs)
 
     def train_on_batch(self, x, y=None, sample_weight=None, **kwargs):
         """Runs one exact step on one global batch."""
         self._require_compiled("train_on_batch")
         self._on_batch_capacity(x)
         self._ensure_built(x, y, sample_weight)
-        return super().train_on_batch(x, y, sample_weight=sample_weight,
-                                      **kwargs)
+        with self._homes.mirrored():
+            return super().train_on_batch(x, y, sample_weight=sample_weight,
+                                          **kwargs)
 
     def test_on_batch(self, x, y=None, sample_weight=None, **kwargs):
         """Evaluates one global batch exactly."""
         self._require_compiled("test_on_batch")
         self._on_batch_capacity(x)
         self._ensure_built(x, y, sample_weight)
-        return super().test_on_batch(x, y, sample_weight=sample_weight,
-                                     **kwargs)
+        with self._homes.mirrored():
+            return super().test_on_batch(x, y, sample_weight=sample_weight,
+                                         **kwargs)
 
     def predict_on_batch(self, x):
         """Predicts one global batch; rows keep the input order."""
         self._on_batch_capacity(x)
         if not self._inner.built:
-            with self._strategy.scope():
-                _rebuild.build_from_batch(self._inner, x)
-        return super().predict_on_batch(x)
+            _rebuild.build_from_batch(self._inner, x)
+            self._homes.refresh()
+        with self._homes.mirrored():
+            return super().predict_on_batch(x)
 
-    # -- the plain model and saving -----------------------------------------
+    # -- the user's model and saving ----------------------------------------
 
     @property
     def model(self):
-        """The user's single-device model, holding the current weights."""
-        if self._inner.built:
-            if not self._original.built:
-                _rebuild.build_like(self._original, self._inner)
-            _rebuild.copy_weights(self._inner, self._original)
-        return self._original
+        """The user's own model object: the one that trains, live weights."""
+        return self._inner
 
     def save(self, filepath, overwrite=True, **kwargs):
-        """Saves the plain model as a `.keras` file, ready to train on.
+        """Saves the wrapped model as a `.keras` file, ready to train on.
 
-        The file holds the current weights and, when the wrapper is compiled
-        (with the built-in `train_step`), the compile configuration and the
-        optimizer's state, so that `keras.saving.load_model` (without
+        It is the user's own model, with its compile configuration and its
+        optimizer's state, so `keras.saving.load_model` (without
         keras-mirror) returns a compiled model whose next `fit` step equals
-        the wrapper's. `mirrored.model` is compiled to match first.
+        the wrapper's.
         """
         filepath = str(filepath)
         if not filepath.endswith(".keras"):
@@ -576,41 +552,14 @@ class MirroredModel(_steps.ReplicaSteps, keras.Model):
                 f"Received: filepath={filepath!r}")
         if not self.is_chief:
             return  # Only the chief writes; saving has no collective.
-        model = self.model
-        self._sync_training_state(model)
-        model.save(filepath, overwrite=overwrite, **kwargs)
-
-    def _sync_training_state(self, model):
-        """Compiles `model` like the wrapper and copies the optimizer state.
-
-        Keeps the user's optimizer object when it matches the wrapper's
-        (same class, config and variable layout); otherwise compiles
-        `model` from the wrapper's compile configuration.
-        """
-        if self._custom_step or not self.compiled or self.optimizer is None \
-                or not self.optimizer.built:
-            return
-        source = self.optimizer
-        if not _same_optimizer(getattr(model, "optimizer", None), source) \
-                or not getattr(model, "compiled", False):
-            config = keras.saving.deserialize_keras_object(
-                self.get_compile_config())
-            model.compile(**config)
-        target = model.optimizer
-        if not target.built:
-            target.build(model.trainable_variables)
-        if [tuple(v.shape) for v in target.variables] != \
-                [tuple(v.shape) for v in source.variables]:
-            raise RuntimeError(
-                "keras-mirror could not copy the optimizer state into the "
-                "saved model: the optimizers' variables differ "
-                f"({len(source.variables)} vs {len(target.variables)}). "
-                f"Received: optimizer={type(source).__name__}")
-        for mine, theirs in zip(source.variables, target.variables):
-            theirs.assign(mine.numpy())
+        self._inner.save(filepath, overwrite=overwrite, **kwargs)
 
     def save_weights(self, filepath, overwrite=True, **kwargs):
-        """Saves the weights (`.weights.h5`) of the plain model."""
+        """Saves the weights (`.weights.h5`) of the wrapped model.
+
+        As Keras's `save_weights`, the file holds the optimizer's state too
+        (what Keras's `BackupAndRestore` relies on).
+        """
         filepath = str(filepath)
         if not filepath.endswith(".weights.h5"):
             raise ValueError(
@@ -618,20 +567,24 @@ class MirroredModel(_steps.ReplicaSteps, keras.Model):
                 f"Received: filepath={filepath!r}")
         if not self.is_chief:
             return  # Only the chief writes; saving has no collective.
-        self.model.save_weights(filepath, overwrite=overwrite, **kwargs)
+        self._inner.save_weights(filepath, overwrite=overwrite, **kwargs)
 
     def load_weights(self, filepath, skip_mismatch=False, **kwargs):
-        """Loads `.weights.h5` weights into every replica."""
+        """Loads `.weights.h5` weights into the wrapped model (all replicas).
+        """
         filepath = str(filepath)
         if not filepath.endswith(".weights.h5"):
             raise ValueError(
                 "`filepath` must end in `.weights.h5`; full models load with "
                 "`keras.saving.load_model(..., safe_mode=True)`. "
                 f"Received: filepath={filepath!r}")
-        original = self.model
-        original.load_weights(filepath, skip_mismatch=skip_mismatch,
-                              **kwargs)
-        _rebuild.copy_weights(original, self._inner)
+        self._inner.load_weights(filepath, skip_mismatch=skip_mismatch,
+                                 **kwargs)
+
+    def export(self, filepath, format="tf_saved_model", **kwargs):
+        """Exports the wrapped model for inference, as `keras.Model.export`.
+        """
+        return self._inner.export(filepath, format=format, **kwargs)
 
     def summary(self, *args, **kwargs):
         """Prints the plan, the devices and the wrapped model's summary."""
@@ -674,7 +627,7 @@ def _check_execution(execution, what):
 
 
 def _pick_execution(execution, devices, spec, custom_step,
-                    collective_options):
+                    collective_options, synchronized=()):
     """Returns (path, reason) for `MirroredModel(execution=...)`."""
     if spec is not None:
         return "strategy", "training spans a multi-worker cluster"
@@ -684,6 +637,15 @@ def _pick_execution(execution, devices, spec, custom_step,
             return "strategy", "execution='strategy' was asked for"
         return "strategy", ("the model has its own `train_step`, which runs "
                             "per replica under the strategy")
+    if synchronized and len(devices) > 1:
+        _check_execution(
+            execution, "`BatchNormalization(synchronized=True)` (layers "
+            f"{list(synchronized)}), whose statistics need every replica's "
+            "rows at once")
+        if execution != "strategy":
+            return "strategy", (
+                "the model has synchronized BatchNormalization, whose "
+                "statistics are all-reduced across the replicas")
     if execution == "strategy":
         return "strategy", "execution='strategy' was asked for"
     given = ", ".join(f"{k}={v!r}" for k, v in collective_options.items())
@@ -707,29 +669,3 @@ def _pick_execution(execution, devices, spec, custom_step,
                             "optimizer update per copy")
     return "strategy", ("the devices are accelerators: each keeps its own "
                         "copy and gradients are all-reduced (NCCL on GPUs)")
-
-
-def _same_optimizer(a, b):
-    """Same class and config (the state may differ)."""
-    if not isinstance(a, keras.optimizers.Optimizer):
-        return False
-    return type(a) is type(b) and a.get_config() == b.get_config()
-
-
-def _mirrored_optimizer(optimizer):
-    """A fresh optimizer (same class and config) made in the current scope."""
-    if isinstance(optimizer, keras.optimizers.Optimizer):
-        return optimizer.__class__.from_config(optimizer.get_config())
-    return keras.optimizers.get(optimizer)
-
-
-def _check_reductions(loss):
-    for leaf in tf.nest.flatten(loss):
-        reduction = getattr(leaf, "reduction", "sum_over_batch_size")
-        if isinstance(leaf, keras.losses.Loss) and \
-                reduction not in _EXACT_REDUCTIONS:
-            raise ValueError(
-                "keras-mirror weights each replica's loss by its share of "
-                "the global batch, which is exact for the reductions "
-                f"{_EXACT_REDUCTIONS}. Received: loss={leaf!r} with "
-                f"reduction={reduction!r}")

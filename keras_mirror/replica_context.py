@@ -43,6 +43,8 @@ class ReplicaContext:
             global batch, `B`.
         share: float or scalar float32 tensor. `b_r / B` (0 for an empty
             shard; 1 outside `MirroredModel`).
+        offset: int, scalar int32 tensor or None. The replica's first row
+            in the global batch (0 outside `MirroredModel`).
 
     On the `"in_graph"` execution path (see `MirroredModel`) the replicas'
     forward passes are traced one after the other into one graph, so a
@@ -63,8 +65,9 @@ class ReplicaContext:
 
     def __init__(self, replica_id, num_replicas, shard_size,
                  global_batch_size, distributed=False, options=None,
-                 gradient_dtype=None, reduce_error=None):
+                 gradient_dtype=None, reduce_error=None, offset=None):
         self.replica_id = replica_id
+        self.offset = offset
         self.num_replicas = num_replicas
         self.shard_size = shard_size
         self.global_batch_size = global_batch_size
@@ -155,7 +158,7 @@ def replica_context(batch_size=None):
     active = getattr(_LOCAL, "context", None)
     if active is not None:
         return active
-    return ReplicaContext(0, 1, batch_size, batch_size)
+    return ReplicaContext(0, 1, batch_size, batch_size, offset=0)
 
 
 def active():

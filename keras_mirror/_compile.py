@@ -1,0 +1,96 @@
+"""Compiling through the wrapper: the user's `compile`, the user's objects.
+
+`MirroredModel.compile(...)` calls the wrapped model's own `compile` with the
+arguments unchanged (Keras's, or a GAN's `compile(d_optimizer=...,
+g_optimizer=..., loss_fn=...)`). The loss functions, metrics and optimizers
+are the user's objects, never rebuilt from a config. Then `adopt` prepares
+them for the replicas and compiles the wrapper itself as a shell that Keras's
+`fit` can run: it shares the model's optimizer (or, for a model with its own
+`train_step`, gets a step counter) and reports the model's metrics.
+"""
+
+import keras
+import tensorflow as tf
+
+from keras_mirror import _compat
+from keras_mirror import _custom_step
+from keras_mirror import _homes
+from keras_mirror import _reductions
+
+EXACT_REDUCTIONS = ("sum_over_batch_size", "mean")
+
+
+def compile(mirrored, *args, **kwargs):
+    """`MirroredModel.compile`: the model's own `compile`, then `adopt`."""
+    if kwargs.get("jit_compile") is True:
+        raise ValueError(
+            "`jit_compile=True` is not supported: XLA cannot compile a "
+            "tf.distribute replica step. Received: jit_compile=True")
+    if not mirrored._custom_step:
+        check_reductions(kwargs.get("loss", args[1] if len(args) > 1
+                                    else None))
+    mirrored._inner.compile(*args, **kwargs)
+    adopt(mirrored)
+
+
+def adopt(mirrored):
+    """Prepares a compiled model's optimizers and compiles the wrapper."""
+    inner = mirrored._inner
+    custom = mirrored._custom_step
+    if not custom:
+        check_reductions(getattr(inner, "loss", None))
+    for optimizer in _homes.optimizers_of(inner):
+        if custom:
+            _custom_step.prepare_optimizer(optimizer)
+        else:
+            # The steps all-reduce the gradients themselves, exactly once.
+            _compat.disable_optimizer_allreduce(optimizer)
+    if custom:
+        # Counts global steps (`iterations`) for callbacks and backups;
+        # the model's own optimizers count their own updates.
+        optimizer = keras.optimizers.SGD(name="mirrored_step")
+        optimizer.build([])
+    else:
+        optimizer = inner.optimizer
+    keras.Model.compile(
+        mirrored, optimizer=optimizer,
+        steps_per_execution=getattr(inner, "steps_per_execution", 1) or 1,
+        run_eagerly=bool(getattr(inner, "run_eagerly", False)),
+        jit_compile=False, auto_scale_loss=False)
+    mirrored._reductions = None
+
+
+def build(mirrored, batch):
+    """Builds the compiled loss, metrics and every optimizer from a batch.
+
+    On one device, as the user's model would be; nothing may be created
+    inside a replica step.
+    """
+    inner = mirrored._inner
+    if not getattr(inner, "compiled", False):
+        return
+    if not mirrored._custom_step or _compat.has_compiled_loss_or_metrics(
+            inner):
+        _compat.symbolic_build(inner, batch)
+    variables = inner.trainable_variables
+    for optimizer in _homes.optimizers_of(inner):
+        if not optimizer.built and variables:
+            # An optimizer of a model's own step may update any subset of
+            # the variables; built on all of them, it can.
+            optimizer.build(variables)
+    if not mirrored._custom_step and getattr(mirrored, "_reductions",
+                                             None) is None:
+        mirrored._reductions = _reductions.probe(inner, batch)
+
+
+def check_reductions(loss):
+    """Refuses a `Loss` whose reduction keras-mirror cannot weight."""
+    for leaf in tf.nest.flatten(loss):
+        reduction = getattr(leaf, "reduction", "sum_over_batch_size")
+        if isinstance(leaf, keras.losses.Loss) and \
+                reduction not in EXACT_REDUCTIONS + ("sum",):
+            raise ValueError(
+                "keras-mirror weights each replica's loss by its share of "
+                "the global batch, which is exact for the reductions "
+                f"{EXACT_REDUCTIONS} and 'sum'. Received: loss={leaf!r} "
+                f"with reduction={reduction!r}")

@@ -1,0 +1,142 @@
+"""The user's own variables, trained in place on a `tf.distribute` strategy.
+
+`MirroredModel` never copies the user's model: the object passed in is the
+object that trains. On the `"strategy"` path each of its variables (the
+model's, seed generators' included, and every optimizer's) gets a second,
+distributed backing variable made inside the strategy's scope, with the value
+kept (`_compat.new_backing`). `VariableHomes.mirrored()` switches every
+variable to its distributed backing for the duration of a wrapper call
+(`fit`, `evaluate`, ...), copying the current values in, and back to its
+single-device backing afterwards, copying the trained values out. So:
+
+- `mirrored.model is model`, and it holds the live weights during and after
+  training (a callback reading `model.get_weights()` sees the step's);
+- the user's own `model.fit`, `predict`, `save` keep working on one device
+  between wrapper calls, on the trained weights;
+- the wrapper's traced step functions keep the same distributed variables
+  from call to call (no retracing), and a variable created during a wrapper
+  call (an optimizer's slots) gets its single-device twin on the way out.
+
+Metric variables are not moved: the steps update them outside the replicas
+(or, in a model's own `train_step`, from every replica into the one copy).
+"""
+
+import contextlib
+
+import keras
+import tensorflow as tf
+
+from keras_mirror import _compat
+
+
+def optimizers_of(model):
+    """The model's optimizers: `model.optimizer` and any held as attributes.
+
+    A GAN keeps `d_optimizer` and `g_optimizer`; a `LossScaleOptimizer`
+    counts once (its inner optimizer's variables are among its own).
+    """
+    found = []
+
+    def add(item):
+        if isinstance(item, keras.optimizers.Optimizer) and not any(
+                item is f for f in found):
+            found.append(item)
+
+    add(getattr(model, "optimizer", None))
+    for value in list(vars(model).values()):
+        items = value if isinstance(value, (list, tuple)) else (
+            value.values() if isinstance(value, dict) else (value,))
+        for item in items:
+            add(item)
+    return found
+
+
+def _distributed(tf_variable):
+    return isinstance(tf_variable, tf.distribute.DistributedValues)
+
+
+class VariableHomes:
+    """Keeps each Keras variable's single-device and distributed backings."""
+
+    def __init__(self, model, strategy):
+        self._model = model
+        self._strategy = strategy
+        self._entries = {}  # id -> [keras variable, single, distributed]
+        self._depth = 0
+
+    def variables(self):
+        """Every variable that moves: the model's and its optimizers'."""
+        seen, out = set(), []
+        groups = [self._model.variables]
+        groups += [opt.variables for opt in optimizers_of(self._model)]
+        for group in groups:
+            for v in group:
+                if id(v) not in seen:
+                    seen.add(id(v))
+                    out.append(v)
+        return out
+
+    def _enter(self):
+        for v in self.variables():
+            entry = self._entries.setdefault(id(v), [v, None, None])
+            current = _compat.backing(v)
+            if _distributed(current):
+                entry[2] = current
+                continue
+            entry[1] = current
+            if entry[2] is None:
+                with self._strategy.scope():
+                    entry[2] = _compat.new_backing(v, current.read_value())
+            else:
+                entry[2].assign(current.read_value())
+            _compat.set_backing(v, entry[2])
+        self._rekey()
+
+    def _rekey(self):
+        for optimizer in optimizers_of(self._model):
+            _compat.rekey_optimizer(optimizer)
+
+    def _exit(self):
+        for v in self.variables():
+            entry = self._entries.setdefault(id(v), [v, None, None])
+            current = _compat.backing(v)
+            if not _distributed(current):
+                continue
+            entry[2] = current
+            value = current.read_value()
+            if entry[1] is None:
+                with tf.init_scope():
+                    entry[1] = _compat.new_backing(v, value)
+            else:
+                entry[1].assign(value)
+            _compat.set_backing(v, entry[1])
+        self._rekey()
+
+    def refresh(self):
+        """Moves variables created during a wrapper call (none outside)."""
+        if self._depth:
+            self._enter()
+
+    @contextlib.contextmanager
+    def mirrored(self):
+        """Within the block the variables are the strategy's (re-entrant)."""
+        if self._depth == 0:
+            self._enter()
+        self._depth += 1
+        try:
+            yield
+        finally:
+            self._depth -= 1
+            if self._depth == 0:
+                self._exit()
+
+
+class NoHomes:
+    """The `"in_graph"` path: the variables stay as they are."""
+
+    def refresh(self):
+        pass
+
+    @contextlib.contextmanager
+    def mirrored(self):
+        yield

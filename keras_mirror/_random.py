@@ -1,0 +1,166 @@
+"""Exact randomness inside replicas: one device's draws, this shard's rows.
+
+Inside a replica step every replica holds the same seed generator state, so
+a `keras.random` draw gets the same seed on every replica, as it would on one
+device. What differs is the shape: a draw shaped like the replica's shard
+(`keras.random.normal((batch, latent))`, a Dropout mask, GaussianNoise) asks
+for `b_r` rows where one device asked for `B`. While a replica step is
+traced, keras-mirror replaces the TF backend's shape-taking random functions
+(`_compat.RANDOM_FUNCTIONS`) so that such a draw is made for the global
+batch, with the same seed, and this replica keeps its own rows:
+
+- a leading dimension that is a tensor equal to `k * b_r` (k >= 1) is read
+  as `k` stacked blocks of the batch (a GAN's `concatenate([ones(b),
+  zeros(b)])` labels are `2 b_r` rows): the draw is made for `k * B` rows and
+  the replica keeps rows `j * B + o_r ... j * B + o_r + b_r` of each block
+  `j`, where `o_r` is its first row in the global batch;
+- any other shape (static, or a leading dimension that is no multiple of the
+  shard) is drawn as asked: a draw that does not depend on the batch is the
+  same on every replica, as on one device.
+
+Each draw advances the seed generator once, as on one device, so the
+generator's state after a step is one device's too. `keras.random.categorical`
+is exact through the same rule applied to its logits' rows; stateful TF ops
+(`tf.random.normal` without a seed generator) and `keras.random.shuffle` of
+a shard are not (see README, "What is not exact").
+"""
+
+import contextlib
+
+import tensorflow as tf
+
+from keras_mirror import _compat
+from keras_mirror.replica_context import active
+
+
+class _Drawn:
+    """A seed already drawn: the replaced functions draw exactly once."""
+
+    def __init__(self, value):
+        self.value = value
+
+
+def _context():
+    ctx = active()
+    if ctx is None or not ctx.distributed or getattr(ctx, "offset",
+                                                     None) is None:
+        return None
+    return ctx
+
+
+def _split_shape(shape):
+    """`(leading, rest)` when the leading dimension is a dynamic tensor."""
+    if isinstance(shape, tf.TensorShape) or shape is None:
+        return None
+    if tf.is_tensor(shape):
+        if shape.shape.rank != 1 or tf.get_static_value(shape) is not None:
+            return None
+        shape = tf.cast(shape, tf.int32)
+        return shape[0], shape[1:]
+    if not isinstance(shape, (list, tuple)) or not shape:
+        return None
+    lead = shape[0]
+    if not tf.is_tensor(lead) or tf.get_static_value(lead) is not None:
+        return None
+    rest = [tf.cast(d, tf.int32) for d in shape[1:]]
+    rest = tf.stack(rest) if rest else tf.zeros([0], tf.int32)
+    return tf.cast(lead, tf.int32), rest
+
+
+def _static(shape):
+    if tf.is_tensor(shape):
+        return tf.TensorShape(None) if shape.shape.rank != 1 else \
+            tf.TensorShape([None] * int(shape.shape[0] or 0)) \
+            if shape.shape[0] is not None else tf.TensorShape(None)
+    return tf.TensorShape([tf.get_static_value(d) if tf.is_tensor(d) else d
+                           for d in shape])
+
+
+def _rows(draw, shape, ctx):
+    """`draw(shape)`, with the global batch's rows when shaped like a shard."""
+    split = _split_shape(shape)
+    if split is None:
+        return draw(shape)
+    lead, rest = split
+    b = tf.cast(ctx.shard_size, tf.int32)
+    big_b = tf.cast(ctx.global_batch_size, tf.int32)
+    offset = tf.cast(ctx.offset, tf.int32)
+    safe_b = tf.maximum(b, 1)
+    blocks = lead // safe_b
+    exact = (b > 0) & (lead > 0) & (tf.math.floormod(lead, safe_b) == 0)
+
+    def global_rows():
+        full = draw(tf.concat([[blocks * big_b], rest], 0))
+        index = tf.reshape(tf.range(blocks)[:, None] * big_b + offset
+                           + tf.range(b)[None, :], [-1])
+        return tf.gather(full, index)
+
+    def as_asked():
+        return draw(tf.concat([[lead], rest], 0))
+
+    out = tf.cond(exact, global_rows, as_asked)
+    out.set_shape(_static(shape))
+    return out
+
+
+def _replacements(module):
+    originals = {name: getattr(module, name)
+                 for name in _compat.RANDOM_FUNCTIONS + ("draw_seed",)}
+
+    def draw_seed(seed):
+        if isinstance(seed, _Drawn):
+            return seed.value
+        return originals["draw_seed"](seed)
+
+    def shaped(name):
+        original = originals[name]
+
+        def fn(shape, *args, seed=None, **kwargs):
+            ctx = _context()
+            if ctx is None:
+                return original(shape, *args, seed=seed, **kwargs)
+            drawn = _Drawn(originals["draw_seed"](seed))
+            return _rows(lambda s: original(s, *args, seed=drawn, **kwargs),
+                         shape, ctx)
+
+        fn.__name__ = name
+        return fn
+
+    def dropout(inputs, rate, noise_shape=None, seed=None):
+        ctx = _context()
+        if ctx is None or tf.is_tensor(rate) or rate in (0.0, 1.0):
+            return originals["dropout"](inputs, rate, noise_shape=noise_shape,
+                                        seed=seed)
+        # `tf.nn.experimental.stateless_dropout`'s own arithmetic, with the
+        # uniform draw made for the global batch.
+        inputs = tf.convert_to_tensor(inputs)
+        seed = module._cast_seed(originals["draw_seed"](seed))
+        dims = (inputs.shape.as_list() if inputs.shape.rank is not None
+                else None)
+        if noise_shape is None and dims is None:
+            shape = tf.shape(inputs)
+        else:
+            given = noise_shape if noise_shape is not None else [None] * len(
+                dims)
+            shape = [(d if d is not None else
+                      dims[i] if dims and dims[i] is not None else
+                      tf.shape(inputs)[i]) for i, d in enumerate(given)]
+        uniform = _rows(lambda s: tf.random.stateless_uniform(
+            s, seed=seed, dtype=inputs.dtype), shape, ctx)
+        scale = tf.convert_to_tensor(1 / (1 - rate), dtype=inputs.dtype)
+        return tf.where(uniform >= rate, inputs * scale,
+                        tf.zeros((), inputs.dtype))
+
+    replacements = {name: shaped(name) for name in _compat.RANDOM_FUNCTIONS
+                    if name != "dropout"}
+    replacements["dropout"] = dropout
+    replacements["draw_seed"] = draw_seed
+    return replacements
+
+
+@contextlib.contextmanager
+def exact_draws():
+    """Within the block, replica steps draw one device's random numbers."""
+    module = _compat.random_module()
+    with _compat.replaced(module, _replacements(module)):
+        yield

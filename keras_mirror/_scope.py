@@ -1,0 +1,23 @@
+"""What holds while the replicas' steps are traced, on every path."""
+
+import contextlib
+
+from keras_mirror import _compat
+from keras_mirror import _metric_weights
+from keras_mirror import _random
+
+
+@contextlib.contextmanager
+def replica_scope(mirrored):
+    """One device's losses, random draws and metric weights, per replica.
+
+    - Keras does not divide losses by the replica count
+      (`_compat.unscaled_losses`): each replica computes its shard's own
+      loss and keras-mirror weights it;
+    - `keras.random` draws give one device's numbers (`_random`);
+    - mean metrics updated inside a replica weigh it as one device would
+      (`_metric_weights`).
+    """
+    with _compat.unscaled_losses(), _random.exact_draws(), \
+            _metric_weights.replica_weights(mirrored._inner):
+        yield
