@@ -35,6 +35,7 @@ import tensorflow as tf
 from keras_mirror import _reductions
 from keras_mirror import _replica_logs
 from keras_mirror import _scope
+from keras_mirror import _sparse
 from keras_mirror import _steps
 from keras_mirror import allreduce
 from keras_mirror import split
@@ -164,9 +165,14 @@ def _gather_slices(parts, wire, device):
         values = [tf.cast(v, wire) for v in values]
     with tf.device(device):
         joined = tf.concat(values, axis=0) if len(values) > 1 else values[0]
+        indices = tf.concat([p.indices for p in parts], axis=0)
+        statics = {_sparse.static_rows(p) for p in parts}
+        if len(parts) > 1 and len(statics) == 1:
+            lengths = tf.stack([tf.shape(p.indices)[0] for p in parts])
+            joined, indices = _sparse.join(joined, indices, lengths,
+                                           statics.pop())
         if joined.dtype != dtype:
             joined = tf.cast(joined, dtype)
-        indices = tf.concat([p.indices for p in parts], axis=0)
     return tf.IndexedSlices(joined, indices, parts[0].dense_shape)
 
 

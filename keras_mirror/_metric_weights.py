@@ -4,16 +4,14 @@ Inside a replica step a metric sees the replica's shard, not the global
 batch; its variables are the model's single copy, which every replica
 updates (`assign_add`), so a metric that sums over rows (accuracy, a mean
 of per-example values, Keras's loss tracker given the batch's rows) adds up
-to one device's state. Two kinds of update would not:
-
-- Keras's compiled loss updates one `Mean` per output with the batch's
-  static row count as its weight, which a shard of dynamic size lacks (every
-  shard would weigh 1). Inside a replica it weighs the shard's rows, `b_r`,
-  as one device weighs `B`.
-- A `Mean` updated with one scalar and no weight (a GAN's
-  `self.d_loss_tracker.update_state(d_loss)`) counts 1 per step on one
-  device. Inside a replica it weighs the replica's share `b_r / B`, so the
-  replicas' updates add up to the global batch's value with weight 1.
+to one device's state. One kind of update would not: a `Mean`
+updated with one scalar and no weight. Keras's compiled loss does this with
+each output's loss (its weight is the batch's static row count, None for a
+batch of unknown size), and so does a GAN's
+`self.d_loss_tracker.update_state(d_loss)`: one device counts each step
+once. Inside a replica such an update weighs the replica's share `b_r / B`,
+so that the replicas' updates add up to the global batch's value with
+weight 1; an empty shard adds nothing (its mean over no rows may be NaN).
 """
 
 import contextlib
@@ -30,14 +28,17 @@ def _scalar(value):
     return shape is not None and len(shape) == 0
 
 
-def _weighted(original, by_rows):
+def _weighted(original):
     def update_state(*args, sample_weight=None, **kwargs):
         ctx = active()
         if (ctx is not None and ctx.distributed and sample_weight is None
                 and len(args) == 1 and not kwargs and _scalar(
                     tf.convert_to_tensor(args[0]))):
-            weight = ctx.shard_size if by_rows else ctx.share
-            sample_weight = tf.cast(weight, tf.float32)
+            sample_weight = tf.cast(ctx.share, tf.float32)
+            # An empty shard adds nothing (its mean may be NaN).
+            value = tf.cast(args[0], tf.float32)
+            args = (tf.where(sample_weight > 0, value,
+                             tf.zeros_like(value)),)
         return original(*args, sample_weight=sample_weight, **kwargs)
 
     return update_state
@@ -46,8 +47,7 @@ def _weighted(original, by_rows):
 @contextlib.contextmanager
 def replica_weights(model):
     """Within the block, `model`'s mean metrics weigh replica updates."""
-    rows = _compat.output_loss_trackers(model)
-    metrics = list(rows)
+    metrics = _compat.output_loss_trackers(model)
     for metric in getattr(model, "metrics", []) or []:
         if isinstance(metric, keras.metrics.Mean) and not any(
                 metric is m for m in metrics):
@@ -55,8 +55,7 @@ def replica_weights(model):
     patched = []
     try:
         for metric in metrics:
-            by_rows = any(metric is m for m in rows)
-            metric.update_state = _weighted(metric.update_state, by_rows)
+            metric.update_state = _weighted(metric.update_state)
             patched.append(metric)
         yield
     finally:

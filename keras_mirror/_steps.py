@@ -163,7 +163,11 @@ def contribution(shard_loss, reg, rows, global_rows, is_first):
     share = tf.math.divide_no_nan(tf.cast(rows, tf.float32),
                                   tf.cast(global_rows, tf.float32))
     first = tf.cast(is_first, tf.float32)
-    return (shard_loss - reg) * share + reg * first
+    # An empty shard's own loss may be NaN (a mean over no rows in a
+    # `compute_loss` override); its share is 0 either way.
+    weighted = tf.where(share > 0, (shard_loss - reg) * share,
+                        tf.zeros_like(share))
+    return weighted + reg * first
 
 
 def output_mask(y_pred):
@@ -228,6 +232,8 @@ def compute_stats(keys, start, grads, shard_loss, rows, sw):
     reads no gradient a second time, unless `on_nonfinite` needs the count.
     """
     stats = {}
+    # An empty shard has no loss (a mean over no rows can be NaN).
+    shard_loss = tf.where(rows > 0, tf.cast(shard_loss, tf.float32), 0.0)
     if "replica_step_time" in keys:
         stats["replica_step_time"] = replica_clock(start, grads)
     if "replica_grad_norm" in keys:

@@ -2,6 +2,8 @@
 
 import tensorflow as tf
 
+from keras_mirror import _sparse
+
 _DTYPES = {None: None, "float32": None, "bfloat16": tf.bfloat16,
            "float16": tf.float16}
 
@@ -109,6 +111,10 @@ def _all_gather_slices(ctx, slices, wire, options):
         values = tf.cast(values, wire)
     values = ctx.all_gather(values, axis=0, options=options)
     indices = ctx.all_gather(slices.indices, axis=0, options=options)
+    lengths = ctx.all_gather(tf.shape(slices.indices)[:1], axis=0,
+                             options=options)
+    values, indices = _sparse.join(values, indices, lengths,
+                                   _sparse.static_rows(slices))
     if values.dtype != dtype:
         values = tf.cast(values, dtype)
     return tf.IndexedSlices(values, indices, slices.dense_shape)
