@@ -39,6 +39,7 @@ import keras
 import tensorflow as tf
 
 from keras_mirror import _compat
+from keras_mirror import _metric_weights
 from keras_mirror import _scope
 from keras_mirror import allreduce
 from keras_mirror import split
@@ -177,6 +178,7 @@ def _run(mirrored, data, method):
     offsets = split.offsets_tensor(sizes)
     step = getattr(mirrored._inner, method)
     n = mirrored.num_replicas
+    sources = {}
 
     def one_replica(shard, r):
         shard_data = _rebuild(data, flat, present, shard)
@@ -191,7 +193,7 @@ def _run(mirrored, data, method):
         samples = tf.reshape(tf.cast(shard_rows, tf.float32), [1])
         if method == "predict_step":
             return out, samples
-        return _vectors(out, method), samples
+        return _vectors(out, method, sources), samples
 
     if mirrored.execution == "in_graph":
         outs = []
@@ -217,9 +219,7 @@ def _run(mirrored, data, method):
         vectors, samples = mirrored._gather(out)
     if method == "predict_step":
         return vectors
-    with tf.control_dependencies(tf.nest.flatten(vectors)):
-        results = _metric_results(mirrored._inner)
-    return _global_logs(vectors, samples, results,
+    return _global_logs(vectors, samples, sources,
                         mirrored.replica_stats and method == "train_step")
 
 
@@ -232,26 +232,30 @@ def _graph_reduce_error(mirrored):
             "execution='strategy')`.")
 
 
-def _metric_results(model):
-    """The model's metric results, read after every replica's updates."""
-    if not getattr(model, "compiled", False):
-        return {}
-    try:
-        results = model.get_metrics_result()
-    except Exception:  # noqa: BLE001 (a metric that can't report yet)
-        return {}
-    return {k: v for k, v in results.items()
-            if tf.convert_to_tensor(v).shape.rank == 0}
+def _flat(logs):
+    """Keras's flattening of nested logs (`{'compile_metrics': {...}}`)."""
+    out = {}
+    for key, value in logs.items():
+        if isinstance(value, dict):
+            out.update(_flat(value))
+        else:
+            out[key] = value
+    return out
 
 
-def _vectors(logs, method):
+def _vectors(logs, method, sources):
+    """Each returned scalar as a [1] vector; notes which came from a metric.
+    """
     if not isinstance(logs, dict):
         raise TypeError(
             f"keras-mirror needs the wrapped model's `{method}` to return a "
             "dict of scalars (e.g. `{'d_loss': d_loss}`). "
             f"Received: {type(logs).__name__}")
     out = {}
-    for key, value in logs.items():
+    for key, value in _flat(logs).items():
+        found = _metric_weights.source(value)
+        if found is not None:
+            sources.setdefault(key, found)
         value = tf.convert_to_tensor(value)
         if value.shape.rank != 0:
             raise ValueError(
@@ -261,25 +265,27 @@ def _vectors(logs, method):
     return out
 
 
-def _global_logs(vectors, samples, results, with_vectors=True):
+def _global_logs(vectors, samples, sources, with_vectors=True):
     """`<key>`: a metric's result, else the share-weighted sum.
 
-    A key that names one of the model's metrics (`{m.name: m.result()}`,
-    the Keras guides' pattern) reports that metric read after every
-    replica's update: its state is the global batch's. Any other scalar is
-    combined by the replicas' shares (exact for per-batch means).
-    `replica_<key>`: the per-replica vectors (not with
+    A key whose value was a metric's `result()` (the Keras guides'
+    `{m.name: m.result() for m in self.metrics}`, or a VAE's
+    `{"loss": self.total_loss_tracker.result()}`) reports that metric read
+    after every replica's update: its state is the global batch's. Any
+    other scalar is combined by the replicas' shares (exact for per-batch
+    means). `replica_<key>`: the per-replica vectors (not with
     `MirroredModel(replica_stats=False)`).
     """
     total = tf.reduce_sum(samples)
     share = tf.math.divide_no_nan(samples, total)
     logs = {}
-    for key, vector in vectors.items():
-        if key in results:
-            logs[key] = tf.cast(results[key], tf.float32)
-            continue
-        logs[key] = tf.reduce_sum(
-            tf.where(samples > 0, vector * share, tf.zeros_like(vector)))
+    with tf.control_dependencies(tf.nest.flatten(vectors)):
+        for key, vector in vectors.items():
+            if key in sources:
+                logs[key] = _metric_weights.read(*sources[key])
+                continue
+            logs[key] = tf.reduce_sum(
+                tf.where(samples > 0, vector * share, tf.zeros_like(vector)))
     if with_vectors:
         for key, vector in vectors.items():
             logs[PREFIX + key] = vector

@@ -44,9 +44,50 @@ def _weighted(original):
     return update_state
 
 
+# The metric behind each tensor a metric's `result()` returned inside the
+# replicas (by tensor id): a step that returns `tracker.result()` under any
+# key reports that metric, read once every replica has updated it.
+_PRODUCED = {}
+
+
+def source(value):
+    """`(metric, key or None)` whose `result()` gave `value`, else None."""
+    return _PRODUCED.get(id(value))
+
+
+def _recording(original, metric):
+    def result():
+        out = original()
+        if isinstance(out, dict):
+            for key, leaf in out.items():
+                _PRODUCED[id(leaf)] = (metric, key)
+        else:
+            _PRODUCED[id(out)] = (metric, None)
+        return out
+
+    return result
+
+
+def read(metric, key):
+    """`metric.result()` (its entry `key` for a dict result), as float32."""
+    out = metric.result()
+    if key is not None:
+        out = out[key]
+    return tf.cast(out, tf.float32)
+
+
 @contextlib.contextmanager
 def replica_weights(model):
-    """Within the block, `model`'s mean metrics weigh replica updates."""
+    """Within the block, `model`'s mean metrics weigh replica updates.
+
+    Every metric's `result()` is also recorded (see `source`).
+    """
+    everything = [m for m in getattr(model, "metrics", []) or []
+                  if isinstance(m, keras.metrics.Metric)]
+    recorded = []
+    for metric in everything:
+        metric.result = _recording(metric.result, metric)
+        recorded.append(metric)
     metrics = _compat.output_loss_trackers(model)
     for metric in getattr(model, "metrics", []) or []:
         if isinstance(metric, keras.metrics.Mean) and not any(
@@ -61,3 +102,6 @@ def replica_weights(model):
     finally:
         for metric in patched:
             metric.__dict__.pop("update_state", None)
+        for metric in recorded:
+            metric.__dict__.pop("result", None)
+        _PRODUCED.clear()

@@ -19,7 +19,7 @@ TOL = 1e-5
 EPOCHS = 2
 
 
-def _fit(builder, wrap, execution=None, **fit_kwargs):
+def _fit(builder, wrap, execution="auto", **fit_kwargs):
     keras.utils.set_random_seed(42)
     model, compile_kwargs, (x, y) = builder()
     model.compile(**compile_kwargs)
