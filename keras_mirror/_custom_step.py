@@ -196,13 +196,19 @@ def _run(mirrored, data, method):
         return _vectors(out, method, sources), samples
 
     if mirrored.execution == "in_graph":
+        from keras_mirror import _graph_steps
+
         outs = []
+        # Every replica starts from the same state (seed generators).
+        guard = _graph_steps._StateGuard(mirrored._inner, n)
         with _scope.replica_scope(mirrored):
             for r, (device, shard) in enumerate(zip(
                     mirrored.devices, mirrored._in_graph_shards(tensors,
                                                                 rows))):
                 with tf.device(device):
                     outs.append(one_replica(shard, r))
+                guard.after_replica(r)
+        guard.finish()
         with tf.device(mirrored.devices[0]):
             joined = tf.nest.map_structure(
                 lambda *p: tf.concat(p, axis=0), *outs)

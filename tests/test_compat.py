@@ -131,3 +131,94 @@ def test_masks_are_read_and_set_on_tensors_and_reach_losses():
     value = keras.losses.MeanSquaredError()(tf.zeros((1, 3, 1)), y_pred)
     # Unmasked entries only: (1 + 9) / 2.
     assert float(value) == pytest.approx(5.0)
+
+
+# -- attributes added for wrapping in place and exact randomness -----------
+
+
+def test_variable_backing_can_be_replaced_and_restored(cpus):
+    v = keras.Variable(np.arange(3, dtype="float32"))
+    plain = _compat.backing(v)
+    assert isinstance(plain, tf.Variable)
+    strategy = tf.distribute.MirroredStrategy(cpus[:2])
+    with strategy.scope():
+        mirrored = _compat.new_backing(v, plain.read_value())
+    assert _compat.backing(v) is plain  # not installed by new_backing
+    assert isinstance(mirrored, tf.distribute.DistributedValues)
+    _compat.set_backing(v, mirrored)
+    np.testing.assert_array_equal(v.numpy(), [0, 1, 2])
+    _compat.set_backing(v, plain)
+    assert _compat.backing(v) is plain
+
+
+def test_random_module_has_the_replaced_functions():
+    module = _compat.random_module()
+    for name in _compat.RANDOM_FUNCTIONS + ("_cast_seed", "draw_seed"):
+        assert callable(getattr(module, name))
+    # keras.random reaches them through the module at call time.
+    calls = []
+    original = module.normal
+
+    def spy(*args, **kwargs):
+        calls.append(args)
+        return original(*args, **kwargs)
+
+    with _compat.replaced(module, {"normal": spy}):
+        keras.random.normal((2,), seed=1)
+    assert len(calls) == 1
+    assert module.normal is original
+
+
+def test_output_loss_trackers_and_compiled_checks():
+    a = keras.Input((2,))
+    model = keras.Model(a, [keras.layers.Dense(1, name="p")(a),
+                            keras.layers.Dense(1, name="q")(a)])
+    assert not _compat.has_compiled_loss_or_metrics(model)
+    model.compile("sgd", ["mse", "mse"])
+    assert _compat.has_compiled_loss_or_metrics(model)
+    model.fit(np.zeros((2, 2)), [np.zeros((2, 1))] * 2, verbose=0)
+    trackers = _compat.output_loss_trackers(model)
+    assert [t.name for t in trackers] == ["p_loss", "q_loss"]
+    assert all(isinstance(t, keras.metrics.Mean) for t in trackers)
+
+
+def test_loss_owners_name_the_add_loss_layers():
+    class Adds(keras.layers.Layer):
+        def call(self, x):
+            self.add_loss(keras.ops.sum(x))
+            return x
+
+    a = keras.Input((2,))
+    model = keras.Model(a, Adds(name="adds")(keras.layers.Dense(2)(a)))
+    model(np.ones((1, 2), "float32"))
+    assert _compat.loss_owners(model) == ["layer 'adds'"]
+    assert len(model.losses) == 1
+
+
+def test_clip_hook_exists_and_is_used():
+    opt = keras.optimizers.SGD(1.0, clipnorm=1.0)
+    var = keras.Variable(np.zeros(2, "float32"))
+    seen = []
+
+    def make_hook(original):
+        def clip(grads):
+            seen.append(len(grads))
+            return original(grads)
+        return clip
+
+    _compat.replace_optimizer_clip(opt, make_hook)
+    opt.apply([tf.constant([3.0, 4.0])], [var])
+    assert seen == [1]
+    np.testing.assert_allclose(var.numpy(), [-0.6, -0.8], rtol=1e-6)
+
+
+def test_rekey_optimizer_follows_a_new_backing(cpus):
+    var = keras.Variable(np.zeros(2, "float32"))
+    opt = keras.optimizers.Adam(0.1)
+    opt.build([var])
+    _compat.set_backing(var, _compat.new_backing(var, tf.ones(2)))
+    with pytest.raises(ValueError, match="Unknown variable"):
+        opt.apply([tf.ones(2)], [var])
+    _compat.rekey_optimizer(opt)
+    opt.apply([tf.ones(2)], [var])
+    assert int(opt.iterations) == 1

@@ -68,6 +68,31 @@ def _scalar_mse(y_true, y_pred):
     return tf.reduce_mean(tf.square(y_true - y_pred))
 
 
+def _synchronized_bn():
+    return keras.Sequential([
+        keras.Input((3,)), keras.layers.BatchNormalization(synchronized=True),
+        keras.layers.Dense(1)])
+
+
+class _RootSumSquare(keras.losses.Loss):
+    def __init__(self):
+        super().__init__(name="root_sum_square")
+
+    def call(self, y_true, y_pred):
+        return keras.ops.sqrt(keras.ops.sum(keras.ops.square(y_true - y_pred)))
+
+
+class _RootAddLoss(keras.layers.Layer):
+    def call(self, x):
+        self.add_loss(keras.ops.sqrt(keras.ops.sum(keras.ops.square(x))))
+        return x
+
+
+def _root_add_loss():
+    a = keras.Input((3,))
+    return keras.Model(a, keras.layers.Dense(1)(_RootAddLoss(name="root")(a)))
+
+
 def _tf_config(text):
     return lambda cpus: cluster.cluster_from_env({"TF_CONFIG": text})
 
@@ -92,6 +117,31 @@ CASES = {
         errors.ModelRebuildError,
         r"`model` is marked built but has no weights: its layers "
         r"\['dense(_\d+)?'\] were never built .*Received: model=OwnStep"),
+    "model_already_wrapped": Case(
+        "model", "a MirroredModel",
+        lambda cpus: keras_mirror.MirroredModel(
+            keras_mirror.MirroredModel(_seq(), cpus), cpus),
+        ValueError, r"`model` is already a `MirroredModel`.*Received: model="),
+    "execution_in_graph_synchronized_bn": Case(
+        "execution", "'in_graph' with BatchNormalization(synchronized=True)",
+        lambda cpus: keras_mirror.MirroredModel(
+            _synchronized_bn(), cpus, execution="in_graph"),
+        ValueError,
+        r"`execution='in_graph'` cannot run `BatchNormalization\("
+        r"synchronized=True\)`.*Received: execution='in_graph'"),
+    "loss_neither_sum_nor_mean": Case(
+        "loss", "a Loss returning sqrt(batch sum)",
+        lambda cpus: _fit(cpus, X, Y, batch_size=4,
+                          mirrored_kwargs={"loss": _RootSumSquare()}),
+        errors.LossReductionError,
+        r"the compiled loss is neither .*Received: loss=root_sum_square"),
+    "add_loss_neither_sum_nor_mean": Case(
+        "add_loss", "add_loss(sqrt(batch sum)) in a layer",
+        lambda cpus: _fit(cpus, X, Y, batch_size=4,
+                          mirrored_kwargs={"model": _root_add_loss()}),
+        errors.LossReductionError,
+        r"The term added by layer 'root' is neither .*Received: add_loss "
+        r"term 0 of layer 'root'"),
     "devices_empty": Case(
         "devices", "[]",
         lambda cpus: keras_mirror.MirroredModel(_seq(), devices=[]),
