@@ -1,11 +1,14 @@
 """A small DCGAN on scikit-learn's 8x8 digits, on 4 replicas, exactly.
 
-The model is the keras.io DCGAN pattern (its own `compile(d_optimizer=...,
-g_optimizer=..., loss_fn=...)` and `train_step`), run unchanged by
-`keras_mirror.MirroredModel`: each replica runs the step on its shard and
-every optimizer's gradients are weighted by the shard's share of the global
-batch before the all-reduce. The latent noise comes with the data (drawn in
-the input pipeline), so the run equals single-device training.
+The model is the keras.io DCGAN pattern, written as one would for one
+device: sub-models passed to `__init__`, its own `compile(d_optimizer=...,
+g_optimizer=..., loss_fn=...)` and a `train_step` that draws its latent
+vectors with `keras.random.normal(..., seed=self.seed_generator)`. It is
+wrapped as the instance it is, unchanged, by `keras_mirror.MirroredModel`:
+each replica runs the step on its shard, draws its rows of what one device
+would draw, and every optimizer's gradients are weighted by the shard's
+share of the global batch before the all-reduce, so the run equals
+single-device training.
 
     python examples/gan.py --epochs 30
     tensorboard --logdir runs/gan   # d_loss / g_loss per replica
@@ -40,10 +43,11 @@ def parse_args(argv):
 
 def build_gan(keras, tf, d_steps):
     class GAN(keras.Model):
-        def __init__(self, discriminator, generator, **kwargs):
-            super().__init__(**kwargs)
+        def __init__(self, discriminator, generator):
+            super().__init__()
             self.discriminator = discriminator
             self.generator = generator
+            self.seed_generator = keras.random.SeedGenerator(1337)
 
         def compile(self, d_optimizer, g_optimizer, loss_fn):
             super().compile()
@@ -51,21 +55,24 @@ def build_gan(keras, tf, d_steps):
             self.g_optimizer = g_optimizer
             self.loss_fn = loss_fn
 
-        def train_step(self, data):
-            real, noise = keras.utils.unpack_x_y_sample_weight(data)[0]
-            rows = tf.shape(real)[0]
+        def latent(self, rows):
+            return keras.random.normal((rows, LATENT),
+                                       seed=self.seed_generator)
+
+        def train_step(self, real):
+            rows = keras.ops.shape(real)[0]
             labels = tf.concat([tf.ones((rows, 1)), tf.zeros((rows, 1))], 0)
             d_vars = self.discriminator.trainable_weights
-            for i in range(d_steps):
+            for _ in range(d_steps):
                 with tf.GradientTape() as tape:
-                    fake = self.generator(noise[:, i])
+                    fake = self.generator(self.latent(rows))
                     pred = self.discriminator(tf.concat([fake, real], 0))
                     d_loss = self.loss_fn(labels, pred)
                 grads = tape.gradient(d_loss, d_vars)
                 self.d_optimizer.apply_gradients(zip(grads, d_vars))
             g_vars = self.generator.trainable_weights
             with tf.GradientTape() as tape:
-                pred = self.discriminator(self.generator(noise[:, d_steps]))
+                pred = self.discriminator(self.generator(self.latent(rows)))
                 g_loss = self.loss_fn(tf.zeros((rows, 1)), pred)
             grads = tape.gradient(g_loss, g_vars)
             self.g_optimizer.apply_gradients(zip(grads, g_vars))
@@ -98,12 +105,10 @@ def build_gan(keras, tf, d_steps):
     return make
 
 
-def dataset(tf, images, batch_size, d_steps):
-    """Yields ((images, noise),): the noise is data, so runs are exact."""
+def dataset(tf, images, batch_size):
+    """Batches of real images (the latent noise is drawn in the step)."""
     ds = tf.data.Dataset.from_tensor_slices(images).shuffle(
         len(images), seed=0)
-    ds = ds.map(lambda img: ((img, tf.random.normal(
-        (d_steps + 1, LATENT), seed=1)),))
     return ds.batch(batch_size).prefetch(2)
 
 
@@ -130,8 +135,8 @@ def main(argv=None):
     keras.utils.set_random_seed(0)
     images = load_digits().images.astype("float32")
     images = (images / 8.0 - 1.0)[..., None]  # pixel values 0..16 -> -1..1
-    make = build_gan(keras, tf, args.d_steps)
-    gan = keras_mirror.MirroredModel(make, devices=devices)
+    model = build_gan(keras, tf, args.d_steps)()
+    gan = keras_mirror.MirroredModel(model, devices=devices)
     gan.compile(
         d_optimizer=keras.optimizers.Adam(1e-4, beta_1=0.5),
         g_optimizer=keras.optimizers.Adam(1e-3, beta_1=0.5),
@@ -141,7 +146,7 @@ def main(argv=None):
     board = getattr(keras_mirror, "ReplicaTensorBoard", None)
     if board is not None:
         callbacks.append(board(args.logdir))
-    history = gan.fit(dataset(tf, images, args.batch_size, args.d_steps),
+    history = gan.fit(dataset(tf, images, args.batch_size),
                       epochs=args.epochs, steps_per_epoch=args.steps,
                       callbacks=callbacks, verbose=2)
     last = {k: v[-1] for k, v in history.history.items()}
@@ -149,7 +154,7 @@ def main(argv=None):
     per_replica = gan.replica_history.get("d_loss", [[]])[-1]
     print("per-replica d_loss (last epoch):",
           " ".join(f"{v:.4f}" for v in per_replica))
-    save_grid(gan.model.generator, args.out, np)
+    save_grid(model.generator, args.out, np)
     print(f"wrote {args.out}")
     return 0
 
