@@ -35,6 +35,8 @@ accumulation and `LossScaleOptimizer` clip per replica, before the
 all-reduce.
 """
 
+import warnings
+
 import keras
 import tensorflow as tf
 
@@ -73,6 +75,22 @@ def setup(model):
     if not model.built and model.weights:
         model.built = True
     return True
+
+
+def warn_inexact(model, custom, devices):
+    """Warns, at wrap time, of what a model's own step cannot do exactly."""
+    from keras_mirror import _rebuild
+
+    synchronized = _rebuild.synchronized_layers(model)
+    if custom and synchronized and len(devices) > 1:
+        warnings.warn(
+            f"The model has its own `train_step` and synchronized "
+            f"BatchNormalization layers {synchronized}: with shards of "
+            "unequal size its gradients differ from one device's (each "
+            "replica's share weights its gradient after the cross-replica "
+            "statistics were differentiated). Use global batches that the "
+            f"{len(devices)} replicas divide evenly to train exactly.",
+            UserWarning, stacklevel=3)
 
 
 def weighted_allreduce(original):

@@ -192,6 +192,7 @@ class MirroredModel(_steps.ReplicaSteps, keras.Model):
         self._comm_options = comm
         self.replica_history = {}
         self._custom_step = _custom_step.setup(original)
+        _custom_step.warn_inexact(original, self._custom_step, self._devices)
         if original.built:
             self.built = True
         if spec is not None:

@@ -547,7 +547,63 @@ def multi_io():
                        metrics=[["mae"], ["mse"]]), (x, y)
 
 
+# -- tied weights: a decoder that reuses the encoder's kernel -----------------
+
+
+class TiedAutoencoder(keras.Model):
+    def __init__(self, hidden, **kwargs):
+        super().__init__(**kwargs)
+        self.encoder = layers.Dense(hidden, activation="tanh")
+        self.bias = None
+
+    def build(self, input_shape):
+        self.encoder.build(input_shape)
+        self.bias = self.add_weight(shape=(input_shape[-1],),
+                                    initializer="zeros", name="out_bias")
+
+    def call(self, x):
+        h = self.encoder(x)
+        return ops.matmul(h, ops.transpose(self.encoder.kernel)) + self.bias
+
+
+def tied_weights():
+    rng = _rng(14)
+    x = rng.normal(size=(ROWS, 5)).astype("float32")
+    model = TiedAutoencoder(3)
+    model.build((None, 5))
+    return model, dict(optimizer="adam", loss="mse"), (x, x)
+
+
+# -- overriding compute_metrics ----------------------------------------------
+
+
+class OwnMetrics(keras.Model):
+    def __init__(self, **kwargs):
+        super().__init__(**kwargs)
+        self.dense = layers.Dense(2)
+        self.max_error = keras.metrics.Mean(name="mean_abs_error")
+
+    def call(self, x):
+        return self.dense(x)
+
+    def compute_metrics(self, x, y, y_pred, sample_weight=None):
+        self.max_error.update_state(ops.mean(ops.abs(y - y_pred)))
+        logs = super().compute_metrics(x, y, y_pred, sample_weight)
+        logs["mean_abs_error"] = self.max_error.result()
+        return logs
+
+
+def compute_metrics_override():
+    rng = _rng(15)
+    x = rng.normal(size=(ROWS, 3)).astype("float32")
+    y = rng.normal(size=(ROWS, 2)).astype("float32")
+    return OwnMetrics(), dict(optimizer="adam", loss="mse",
+                              metrics=["mae"]), (x, y)
+
+
 BUILT_IN = {
+    "tied_weights": tied_weights,
+    "compute_metrics_override": compute_metrics_override,
     "transformer": transformer,
     "no_config": no_config,
     "compute_loss_override": compute_loss_override,

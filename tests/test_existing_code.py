@@ -186,3 +186,43 @@ def test_double_wrap_is_refused(cpus):
     mirrored = keras_mirror.MirroredModel(model)
     with pytest.raises(ValueError, match="already a `MirroredModel`"):
         keras_mirror.MirroredModel(mirrored)
+
+
+@pytest.mark.parametrize("execution", ["in_graph", "strategy"])
+def test_validation_logs_per_output_equal_one_device(execution, cpus):
+    builder = guide_models.multi_io
+    _, _, (x, y) = builder()
+    val = ([t[:17] for t in x], [t[:17] for t in y])
+    single, _, logs1, _ = _fit(builder, wrap=False, validation_data=val)
+    model, _, logs2, _ = _fit(builder, wrap=True, execution=execution,
+                              validation_data=val)
+    assert any(k.startswith("val_out_b") for k in logs1)
+    _assert_same(single, model)
+    _assert_logs(logs1, logs2)
+
+
+@pytest.mark.parametrize("execution", ["in_graph", "strategy"])
+def test_a_model_trained_before_wrapping_keeps_its_optimizer_state(
+        execution, cpus):
+    def run(wrap):
+        keras.utils.set_random_seed(42)
+        model, compile_kwargs, (x, y) = guide_models.transformer()
+        model.compile(**compile_kwargs)
+        model.fit(x, y, batch_size=14, epochs=1, shuffle=False, verbose=0)
+        target = keras_mirror.MirroredModel(model, execution=execution) \
+            if wrap else model
+        target.fit(x, y, batch_size=14, epochs=1, shuffle=False, verbose=0)
+        return model
+
+    single, model = run(False), run(True)
+    assert int(model.optimizer.iterations) == 8
+    _assert_same(single, model)
+
+
+def test_own_step_with_synchronized_batchnorm_warns_at_wrap_time(cpus):
+    model, _, _ = guide_models.gan()
+    model.discriminator = keras.Sequential([
+        keras.Input((6,)), keras.layers.BatchNormalization(synchronized=True),
+        keras.layers.Dense(1)])
+    with pytest.warns(UserWarning, match="synchronized BatchNormalization"):
+        keras_mirror.MirroredModel(model)

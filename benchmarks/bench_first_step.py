@@ -1,0 +1,85 @@
+"""Time to the first step of a model with its own `train_step` (a WGAN-GP).
+
+Each trial is a fresh process that builds the keras.io-style WGAN-GP of
+`tests/guide_models.py` and times `fit` of one step (trace, compile and the
+step itself), on one device with the model's own `fit` and wrapped by
+`MirroredModel` over N logical CPUs. Trials of the configurations are
+interleaved; the medians and their ratios are printed side by side.
+
+    python benchmarks/bench_first_step.py --trials 3 --replicas 1 2 4
+
+`tf.distribute.MirroredStrategy` traces a replica function once per replica
+(each replica's ops are their own in the graph), so the trace part of the
+first step grows with N; the issue's target is 1.5x of one device.
+"""
+
+import argparse
+import json
+import os
+import statistics
+import subprocess
+import sys
+import time
+
+_HERE = os.path.dirname(os.path.abspath(__file__))
+_ROOT = os.path.dirname(_HERE)
+
+
+def _trial(replicas):
+    os.environ.setdefault("TF_CPP_MIN_LOG_LEVEL", "3")
+    sys.path.insert(0, os.path.join(_ROOT, "tests"))
+    import keras_mirror
+
+    devices = keras_mirror.logical_cpus(max(replicas, 1))
+    import guide_models
+    import keras
+
+    keras.utils.set_random_seed(0)
+    model, compile_kwargs, (x, _) = guide_models.wgan_gp()
+    model.compile(**compile_kwargs)
+    target = model if replicas == 0 else keras_mirror.MirroredModel(
+        model, devices=devices[:replicas])
+    start = time.perf_counter()
+    target.fit(x, batch_size=14, epochs=1, steps_per_epoch=1, verbose=0)
+    first = time.perf_counter() - start
+    start = time.perf_counter()
+    target.fit(x, batch_size=14, epochs=1, steps_per_epoch=3, verbose=0)
+    steps = (time.perf_counter() - start) / 3
+    print(json.dumps({"first_step_s": first, "later_step_s": steps}))
+
+
+def _run(replicas):
+    out = subprocess.run(
+        [sys.executable, __file__, "--trial", str(replicas)],
+        capture_output=True, text=True, timeout=900)
+    if out.returncode != 0:
+        raise RuntimeError(out.stderr[-2000:])
+    return json.loads(out.stdout.strip().splitlines()[-1])
+
+
+def main(argv=None):
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--trials", type=int, default=3)
+    parser.add_argument("--replicas", type=int, nargs="+", default=[1, 2, 4])
+    parser.add_argument("--trial", type=int, help=argparse.SUPPRESS)
+    args = parser.parse_args(argv)
+    if args.trial is not None:
+        _trial(args.trial)
+        return 0
+    configs = [0] + args.replicas  # 0: the model's own fit, one device
+    results = {c: [] for c in configs}
+    for _ in range(args.trials):
+        for c in configs:
+            results[c].append(_run(c)["first_step_s"])
+    single = statistics.median(results[0])
+    print(f"{'configuration':<28}{'first step (s)':>16}{'/ one device':>14}")
+    print(f"{'one device (model.fit)':<28}{single:>16.2f}{1.0:>14.2f}")
+    for c in args.replicas:
+        median = statistics.median(results[c])
+        print(f"{f'MirroredModel, N={c}':<28}{median:>16.2f}"
+              f"{median / single:>14.2f}")
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
