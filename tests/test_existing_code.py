@@ -226,3 +226,36 @@ def test_own_step_with_synchronized_batchnorm_warns_at_wrap_time(cpus):
         keras.layers.Dense(1)])
     with pytest.warns(UserWarning, match="synchronized BatchNormalization"):
         keras_mirror.MirroredModel(model)
+
+
+@pytest.mark.parametrize("execution", ["in_graph", "strategy"])
+def test_keras_hub_causal_lm_built_from_a_config(execution, cpus):
+    keras_hub = pytest.importorskip("keras_hub")
+
+    def build():
+        keras.utils.set_random_seed(0)
+        backbone = keras_hub.models.GPT2Backbone(
+            vocabulary_size=50, num_layers=1, num_heads=2, hidden_dim=8,
+            intermediate_dim=16, max_sequence_length=8, dropout=0.1)
+        lm = keras_hub.models.GPT2CausalLM(backbone=backbone,
+                                           preprocessor=None)
+        lm.compile(optimizer=keras.optimizers.Adam(1e-2),
+                   loss=keras.losses.SparseCategoricalCrossentropy(
+                       from_logits=True),
+                   weighted_metrics=["accuracy"])
+        return lm
+
+    tokens = np.random.default_rng(0).integers(1, 50, size=(45, 8))
+    x = {"token_ids": tokens[:, :-1].astype("int32"),
+         "padding_mask": np.ones((45, 7), "bool")}
+    y = tokens[:, 1:].astype("int32")
+    single = build()
+    logs1 = single.fit(x, y, batch_size=14, epochs=2, shuffle=False,
+                       verbose=0).history
+    lm = build()
+    mirrored = keras_mirror.MirroredModel(lm, execution=execution)
+    logs2 = mirrored.fit(x, y, batch_size=14, epochs=2, shuffle=False,
+                         verbose=0).history
+    assert mirrored.model is lm
+    _assert_same(single, lm)
+    _assert_logs(logs1, logs2)
