@@ -243,8 +243,7 @@ def _run(mirrored, data, method):
         vectors, samples = mirrored._gather(out)
     if method == "predict_step":
         return vectors
-    return _global_logs(vectors, samples, sources,
-                        mirrored.replica_stats and method == "train_step")
+    return _global_logs(vectors, samples, sources, mirrored.replica_stats)
 
 
 def _graph_reduce_error(mirrored):

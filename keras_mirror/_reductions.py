@@ -20,7 +20,6 @@ another's) is refused with an error naming it.
 import inspect
 import warnings
 
-import numpy as np
 import tensorflow as tf
 
 from keras_mirror import _compat
@@ -85,11 +84,23 @@ def compute_loss(model, x, y, y_pred, sample_weight, training):
 
 
 def _evaluate(model, x, y, sample_weight):
-    y_pred = model(x, training=False)
-    extras = [float(np.sum(tf.convert_to_tensor(e))) for e in model.losses]
-    total = float(np.sum(tf.convert_to_tensor(
-        compute_loss(model, x, y, y_pred, sample_weight, False))))
-    return total - sum(extras), extras, y_pred
+    """(compiled loss, [add_loss terms]) of one batch, traced as in a step.
+
+    In a `tf.function`, as the steps run: some layers (a `custom_gradient`
+    reading a variable) only run traced.
+    """
+
+    @tf.function
+    def terms(x, y, sample_weight):
+        y_pred = model(x, training=False)
+        extras = [tf.reduce_sum(tf.cast(e, tf.float32)) for e in model.losses]
+        total = tf.reduce_sum(tf.cast(compute_loss(
+            model, x, y, y_pred, sample_weight, False), tf.float32))
+        return total, extras
+
+    total, extras = terms(x, y, sample_weight)
+    extras = [float(e) for e in extras]
+    return float(total) - sum(extras), extras
 
 
 def _kind(once, twice):
@@ -106,9 +117,9 @@ def probe(model, batch):
     x, y, sample_weight = batch
     if x is None:
         return Reductions()
-    compiled1, extras1, _ = _evaluate(model, x, y, sample_weight)
-    compiled2, extras2, _ = _evaluate(model, _twice(x), _twice(y),
-                                      _twice(sample_weight))
+    compiled1, extras1 = _evaluate(model, x, y, sample_weight)
+    compiled2, extras2 = _evaluate(model, _twice(x), _twice(y),
+                                   _twice(sample_weight))
     kind = _kind(compiled1, compiled2)
     if kind is None:
         raise errors.LossReductionError(

@@ -117,7 +117,7 @@ def _x_and_y_spec(x):
 
 
 def _check_targets(model, x, y):
-    if model.loss is None:
+    if getattr(model, "loss", None) is None:
         return
     if _inputs.is_array(x) and y is None:
         raise ValueError(
@@ -210,45 +210,8 @@ def check_fit_inputs(mirrored, x, y, batch_size, steps_per_epoch,
             _check_groups(x.num_batches, mirrored.num_replicas)
     else:
         _check_lengths(x, y, sample_weight)
-    _check_targets(mirrored, x, y)
+    _check_targets(mirrored._inner, x, y)
     _check_input_structure(mirrored._inner, x)
-
-
-def _probe_batch(x, y):
-    """Up to 2 rows of (x, y) from arrays or a dataset, or None."""
-    if isinstance(x, tf.data.Dataset):
-        element = next(iter(x.take(1)), None)
-        if element is None:
-            return None
-        x, y, _ = keras.utils.unpack_x_y_sample_weight(element)
-    elif not _inputs.is_array(x):
-        return None
-    if y is None or not _inputs.is_array(y):
-        return None
-    return tuple(tf.nest.map_structure(lambda t: t[:2], v) for v in (x, y))
-
-
-def _check_loss_per_example(mirrored, x, y):
-    loss = getattr(mirrored._inner, "loss", None)
-    if not callable(loss) or isinstance(loss, (str, keras.losses.Loss)):
-        return
-    batch = _probe_batch(x, y)
-    if batch is None:
-        return
-    xs, ys = batch
-    y_pred = mirrored._inner(xs, training=False)
-    values = loss(tf.convert_to_tensor(ys), y_pred)
-    rows = int(tf.nest.flatten(xs)[0].shape[0])
-    shape = tuple(values.shape)
-    if not shape or (rows > 1 and shape[0] != rows):
-        raise ValueError(
-            "`loss` must return one value per example (shape "
-            "`(batch_size, ...)`), not a reduced value: keras-mirror "
-            "weights each replica's loss by its share of the global batch "
-            "and a replica's shard can be empty. Received: "
-            f"loss={_name(loss)} returning shape {shape} for {rows} "
-            "examples"
-        )
 
 
 def check_built_model(mirrored, x, y):
@@ -260,4 +223,3 @@ def check_built_model(mirrored, x, y):
             "nothing to train. Received: model="
             f"{mirrored.model.name!r} with 0 trainable weights"
         )
-    _check_loss_per_example(mirrored, x, y)

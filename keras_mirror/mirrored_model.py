@@ -28,11 +28,12 @@ EXECUTIONS = ("auto", "in_graph", "strategy")
 class MirroredModel(_steps.ReplicaSteps, keras.Model):
     """Trains an existing Keras model data-parallel, exactly.
 
-    Wraps any Keras 3 model (Sequential, Functional or subclassed; built or
-    not; compiled or not) in a `tf.distribute.MirroredStrategy` over
-    `devices`. The wrapper rebuilds the model's variables under the
-    strategy's scope and copies its weights, so the user never enters
-    `strategy.scope()`. Each step splits the global batch across the
+    Wraps any Keras 3 model (Sequential, Functional or subclassed, holding
+    sub-models or custom layers; built or not; compiled or not) and trains
+    that very object over `devices`: `mirrored.model is model`, with its
+    own `train_step`, `test_step`, `predict_step`, `compute_loss`,
+    `compute_metrics` and compile objects, unchanged. The user never
+    enters `strategy.scope()`. Each step splits the global batch across the
     replicas by a documented plan (`split_plan`), weights each replica's loss
     by its share of the global batch, sums the gradients with one explicit
     all-reduce and applies them once: one step on `N` replicas equals one
@@ -40,8 +41,8 @@ class MirroredModel(_steps.ReplicaSteps, keras.Model):
     uneven and empty shards too.
 
     Args:
-        model: `keras.Model`, or a zero-argument function returning one (for
-            subclassed models that cannot be cloned).
+        model: `keras.Model`: the model to train, in place. A
+            zero-argument function returning one is also accepted.
         devices: list of str, or None. Device names (`"/gpu:0"`,
             `"/cpu:1"`, ...). None means every GPU, else every logical CPU.
         batch: str. `"global"` (default): each input batch is the global
@@ -247,11 +248,12 @@ class MirroredModel(_steps.ReplicaSteps, keras.Model):
 
     @property
     def strategy(self):
-        """The `tf.distribute` strategy that holds the variables.
+        """The `tf.distribute` strategy the replicas run on.
 
         `MirroredStrategy` (or `MultiWorkerMirroredStrategy`) on the
-        `"strategy"` path; `OneDeviceStrategy(devices[0])` on the
-        `"in_graph"` path, whose variables exist once.
+        `"strategy"` path, whose variables get a mirrored twin during each
+        wrapper call; the default strategy on the `"in_graph"` path, whose
+        variables are the model's own, used as they are.
         """
         return self._strategy
 

@@ -64,10 +64,6 @@ class _Batches(keras.utils.PyDataset):
         return X[:2], Y[:2]
 
 
-def _scalar_mse(y_true, y_pred):
-    return tf.reduce_mean(tf.square(y_true - y_pred))
-
-
 def _synchronized_bn():
     return keras.Sequential([
         keras.Input((3,)), keras.layers.BatchNormalization(synchronized=True),
@@ -273,16 +269,10 @@ CASES = {
         ValueError, r"`jit_compile=True` is not supported.*"
         r"Received: jit_compile=True"),
     "loss_reduction": Case(
-        "loss", "MeanSquaredError(reduction='sum')",
+        "loss", "MeanSquaredError(reduction=None)",
         lambda cpus: _mirrored(
-            cpus, loss=keras.losses.MeanSquaredError(reduction="sum")),
-        ValueError, r"Received: loss=.*reduction='sum'"),
-    "loss_not_per_example": Case(
-        "loss", "a function returning a scalar (already reduced)",
-        lambda cpus: _mirrored(cpus, loss=_scalar_mse).fit(
-            X, Y, verbose=0),
-        ValueError, r"`loss` must return one value per example.*"
-        r"Received: loss=_scalar_mse returning shape \(\)"),
+            cpus, loss=keras.losses.MeanSquaredError(reduction=None)),
+        ValueError, r"Received: loss=.*reduction=None"),
     "y_length": Case(
         "y", "7 rows for 8 rows of x",
         lambda cpus: _fit(cpus, X, Y[:7]),

@@ -286,12 +286,20 @@ def test_subclassed_built_model_and_factory(cpus):
     assert factory.model.built
 
 
-def test_unclonable_model_error_names_the_fix(cpus):
+def test_a_model_without_config_trains_in_place(cpus):
     model = NoConfig(3)
     model(np.zeros((1, 6), "float32"))
-    with pytest.raises(keras_mirror.errors.ModelRebuildError,
-                       match="zero-argument function .*Received: model="):
-        keras_mirror.MirroredModel(model, devices=cpus)
+    model.compile(optimizer="sgd", loss="mse")
+    reference = NoConfig(3)
+    reference(np.zeros((1, 6), "float32"))
+    reference.set_weights(model.get_weights())
+    reference.compile(optimizer="sgd", loss="mse")
+    x, y, _ = data(13)
+    mirrored = keras_mirror.MirroredModel(model, devices=cpus)
+    mirrored.fit(x, y, batch_size=5, verbose=0, shuffle=False)
+    reference.fit(x, y, batch_size=5, verbose=0, shuffle=False)
+    assert mirrored.model is model
+    assert max_diff(model.get_weights(), reference.get_weights()) < 1e-5
 
 
 def test_unbuilt_sequential_builds_on_first_uneven_batch(cpus):
@@ -368,7 +376,8 @@ def test_the_step_packs_its_statistics_into_one_output(cpus):
     mirrored.train_on_batch(x, y)
     step = tf.function(lambda d: mirrored.distribute_strategy.run(
         mirrored.train_step, args=(d,)))
-    logs = step((tf.constant(x), tf.constant(y)))
+    with mirrored._homes.mirrored():  # the variables as in `fit`
+        logs = step((tf.constant(x), tf.constant(y)))
     assert set(logs) == {"loss", _replica_logs.PACKED}
     packed = mirrored.distribute_strategy.experimental_local_results(
         logs[_replica_logs.PACKED])[0]

@@ -64,8 +64,9 @@ def test_training_stays_exact_and_logs_no_replica_keys(cpus):
 def _op_types(mirrored, x, y):
     step = tf.function(lambda d: mirrored.distribute_strategy.run(
         mirrored.train_step, args=(d,)))
-    graph = step.get_concrete_function(
-        (tf.constant(x), tf.constant(y))).graph
+    with mirrored._homes.mirrored():  # the variables as in `fit`
+        graph = step.get_concrete_function(
+            (tf.constant(x), tf.constant(y))).graph
     types = {op.type for op in graph.get_operations()}
     for function in graph.as_graph_def().library.function:
         types.update(node.op for node in function.node_def)
