@@ -1,10 +1,13 @@
 """Routing per-replica vectors through Keras callbacks.
 
 `train_step` returns, beside the usual global keys, vectors of length
-`num_replicas` under the keys `replica_*`. Keras's `ProgbarLogger` would show
-their mean and Keras's `TensorBoard` rejects non-scalars, so
-`ReplicaCallbackList` hands those two callbacks the logs without the vectors;
-every other callback (History, CSVLogger, yours) receives them.
+`num_replicas` under the keys `replica_*` (and `val_replica_*` after
+validation). A project that only adds the wrap must see the logs it saw
+before: `ReplicaCallbackList` hands every callback the logs without the
+vectors (so `History`, `CSVLogger`, `ProgbarLogger`, Keras's `TensorBoard`
+and the user's own callbacks get exactly plain Keras's keys), except the
+callbacks that opt in with the class attribute `wants_replica_logs = True`:
+`ReplicaHistory`, `ReplicaTensorBoard`, and any user callback that sets it.
 """
 
 import bisect
@@ -19,6 +22,8 @@ import numpy as np
 from keras_mirror import errors
 
 PREFIX = "replica_"
+# Keras prefixes validation logs with `val_`.
+_PREFIXES = (PREFIX, "val_" + PREFIX)
 # The built-in train step's per-replica statistics, in this order.
 STAT_KEYS = (
     "replica_loss",
@@ -42,24 +47,31 @@ def strip(logs):
     """`logs` without the per-replica vectors."""
     if not logs:
         return logs
-    return {k: v for k, v in logs.items() if not k.startswith(PREFIX)}
+    return {k: v for k, v in logs.items() if not k.startswith(_PREFIXES)}
 
 
-def _wants_vectors(callback):
-    if getattr(callback, "wants_replica_logs", False):
-        return True
-    return not isinstance(
-        callback, (keras.callbacks.ProgbarLogger, keras.callbacks.TensorBoard)
-    )
+def wants_replica_logs(callback):
+    """Whether `callback` opted in to the per-replica vectors.
+
+    A callback opts in with a true class (or instance) attribute
+    `wants_replica_logs`; every other callback sees plain Keras's logs.
+    """
+    return bool(getattr(callback, "wants_replica_logs", False))
 
 
 class ReplicaCallbackList(keras.callbacks.CallbackList):
-    """A `CallbackList` that keeps replica vectors from Progbar/TensorBoard."""
+    """A `CallbackList` that gives the replica vectors only to opted-in ones.
+
+    Callbacks with `wants_replica_logs = True` get the logs with the
+    `replica_*` vectors; all others (`History`, `CSVLogger`, the progress
+    bar, Keras's `TensorBoard`, yours by default) get the logs plain Keras
+    would give them.
+    """
 
     def _dispatch(self, hook, *args, logs=None):
         stripped = None
         for callback in self.callbacks:
-            if _wants_vectors(callback):
+            if wants_replica_logs(callback):
                 cb_logs = logs
             else:
                 if stripped is None:
