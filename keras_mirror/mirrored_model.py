@@ -127,6 +127,7 @@ class MirroredModel(_steps.ReplicaSteps, keras.Model):
                  worker_input="replicate", execution="auto",
                  replica_stats=True, name=None):
         _compat.check_keras_version()
+        _compat.check_backend()
         _rebuild.check_model(model)
         if batch not in BATCH_MODES:
             raise ValueError(

@@ -131,3 +131,17 @@ def test_masks_are_read_and_set_on_tensors_and_reach_losses():
     value = keras.losses.MeanSquaredError()(tf.zeros((1, 3, 1)), y_pred)
     # Unmasked entries only: (1 + 9) / 2.
     assert float(value) == pytest.approx(5.0)
+
+
+def test_other_backend_is_refused_at_construction(monkeypatch):
+    import keras_mirror
+
+    model = keras.Sequential([keras.Input((2,)), keras.layers.Dense(1)])
+    monkeypatch.setattr(keras.backend, "backend", lambda: "jax")
+    with pytest.raises(ValueError) as info:
+        keras_mirror.MirroredModel(model)
+    assert str(info.value) == (
+        "keras-mirror needs Keras's TensorFlow backend (it trains on "
+        "`tf.distribute`). Set `KERAS_BACKEND=tensorflow` (or "
+        '`"backend": "tensorflow"` in ~/.keras/keras.json) before importing '
+        "Keras. Received: keras.backend.backend()='jax'")
