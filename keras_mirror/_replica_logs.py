@@ -14,7 +14,10 @@ import bisect
 import collections.abc
 import functools
 import operator
+import re
+import sys
 import warnings
+import weakref
 
 import keras
 import numpy as np
@@ -68,6 +71,9 @@ class ReplicaCallbackList(keras.callbacks.CallbackList):
     would give them.
     """
 
+    _notice = ""  # the first-step line on screen, if any
+    _first_step = False  # until the first step of a `fit` ends
+
     def _dispatch(self, hook, *args, logs=None):
         stripped = None
         for callback in self.callbacks:
@@ -79,7 +85,24 @@ class ReplicaCallbackList(keras.callbacks.CallbackList):
                 cb_logs = stripped
             getattr(callback, hook)(*args, logs=cb_logs)
 
+    def on_train_begin(self, logs=None):
+        self._first_step = True
+        super().on_train_begin(logs)
+
+    def on_train_batch_begin(self, batch, logs=None):
+        super().on_train_batch_begin(batch, logs)
+        if self._first_step and not self._notice:
+            self._notice = first_step_notice(self.callbacks, self.model)
+
     def on_train_batch_end(self, batch, logs=None):
+        if self._first_step:
+            self._first_step = False
+            if self._notice:
+                _erase(self._notice)
+                self._notice = ""
+            function = getattr(self.model, "train_function", None)
+            if function is not None:
+                _TRACED[self.model] = weakref.ref(function)
         self._dispatch("on_train_batch_end", batch, logs=_numpy(logs))
 
     def on_test_batch_end(self, batch, logs=None):
@@ -96,6 +119,48 @@ class ReplicaCallbackList(keras.callbacks.CallbackList):
 
     def on_train_end(self, logs=None):
         self._dispatch("on_train_end", logs=_numpy(logs))
+
+
+# model -> weak reference to the train function whose first step ran.
+_TRACED = weakref.WeakKeyDictionary()
+NOTICE = "tracing the training step (once per compile)"
+
+
+def first_step_notice(callbacks, model):
+    """Shows one progress-bar line while the first step traces, or "".
+
+    The first step of a new train function traces and compiles the graph,
+    which takes seconds (15 s for the demo on 2 shared cores) before Keras's
+    progress bar shows anything. With a `verbose=1` progress bar this prints
+    `0/steps ━━━━ tracing the training step ...` in the bar's own style,
+    without a newline: the bar's first update overwrites it. Returns the
+    text printed ("" when nothing was).
+    """
+    bars = [c for c in callbacks
+            if isinstance(c, keras.callbacks.ProgbarLogger)
+            and c.verbose == 1]
+    function = getattr(model, "train_function", None)
+    seen = _TRACED.get(model) if model is not None else None
+    if not bars or function is None or (seen and seen() is function):
+        return ""
+    if not keras.config.is_interactive_logging_enabled():
+        return ""
+    target = bars[0].target
+    if target:
+        text = (f"\x1b[1m{0:>{len(str(target))}}/{target}\x1b[0m "
+                f"\x1b[37m{'━' * 20}\x1b[0m {NOTICE}")
+    else:
+        text = f"{0:>7}/Unknown {NOTICE}"
+    sys.stdout.write(text)
+    sys.stdout.flush()
+    return text
+
+
+def _erase(text):
+    """Blanks the notice's line for the progress bar's first update."""
+    visible = re.sub(r"\x1b\[[0-9;]*m", "", text)
+    sys.stdout.write("\r" + " " * len(visible) + "\r")
+    sys.stdout.flush()
 
 
 def unpack(logs, keys=STAT_KEYS):

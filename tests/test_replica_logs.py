@@ -189,3 +189,21 @@ def test_wants_replica_logs_is_the_opt_in():
     assert _replica_logs.strip(
         {"loss": 1, "replica_loss": 2, "val_replica_loss": 3,
          "val_loss": 4}) == {"loss": 1, "val_loss": 4}
+
+
+def test_first_step_shows_one_tracing_line(cpus, capsys):
+    x, y, _ = data(23)
+    mirrored = keras_mirror.MirroredModel(mlp(), devices=cpus)
+    mirrored.compile(optimizer="sgd", loss="mse")
+    notice = ("\x1b[1m0/3\x1b[0m \x1b[37m" + "━" * 20 + "\x1b[0m "
+              "tracing the training step (once per compile)")
+    blank = "\r" + " " * (len(notice) - 17) + "\r"  # 17: escape codes
+    mirrored.fit(x, y, batch_size=10, epochs=1, verbose=1)
+    out = capsys.readouterr().out
+    assert out.startswith(notice + blank)
+    assert out.count(notice) == 1 and "3/3" in out
+    # Traced already: the next fit shows the progress bar only.
+    mirrored.fit(x, y, batch_size=10, epochs=1, verbose=1)
+    assert "tracing" not in capsys.readouterr().out
+    mirrored.fit(x, y, batch_size=10, epochs=1, verbose=0)
+    assert capsys.readouterr().out == ""
