@@ -21,10 +21,12 @@ def test_demo_reaches_target_accuracy():
     assert "reached the target 0.95" in out.stdout
     assert out.stdout.count("tracing the training step") == 1
     table = out.stdout.split(demo.REPLICA_TITLE)[1]
-    cells = [[c.strip() for c in line.strip("│").split("│")]
-             for line in table.splitlines() if line.startswith("│")]
-    assert cells[0] == demo.REPLICA_HEADER
-    rows = cells[1:]
+    lines = table.splitlines()
+    header = [line for line in lines if line.startswith("┃")]
+    assert [c.strip() for c in header[0].strip("┃").split("┃")] == \
+        demo.REPLICA_HEADER
+    rows = [[c.strip() for c in line.strip("│").split("│")]
+            for line in lines if line.startswith("│")]
     assert [r[0] for r in rows] == ["0", "1", "2", "3"]
     assert [r[1] for r in rows] == ["CPU:0", "CPU:1", "CPU:2", "CPU:3"]
     # 1437 images per epoch over 20 epochs, split (25,25,25,25) x14 and

@@ -4,7 +4,6 @@ import csv
 import types
 
 import keras
-
 import numpy as np
 import pytest
 from helpers import data
