@@ -52,6 +52,22 @@ def check_keras_version():
         )
 
 
+def check_backend():
+    """Raises ValueError unless Keras runs on the TensorFlow backend.
+
+    keras-mirror trains on `tf.distribute`; with another backend
+    (`KERAS_BACKEND=jax`) `MirroredModel` would build, then fail later.
+    """
+    backend = keras.backend.backend()
+    if backend != "tensorflow":
+        raise ValueError(
+            "keras-mirror needs Keras's TensorFlow backend (it trains on "
+            "`tf.distribute`). Set `KERAS_BACKEND=tensorflow` (or "
+            '`"backend": "tensorflow"` in ~/.keras/keras.json) before '
+            f"importing Keras. Received: keras.backend.backend()={backend!r}"
+        )
+
+
 def _identity_allreduce(grads_and_vars):
     return list(grads_and_vars)
 

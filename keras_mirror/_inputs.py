@@ -23,14 +23,53 @@ def num_rows(x):
     return int(tf.nest.flatten(x)[0].shape[0])
 
 
+def _zeros_like_spec(spec):
+    """Zeros of `spec`'s dtype and shape, an unknown batch size read as 1.
+
+    Returns None unless `spec` is a `tf.TensorSpec` whose dimensions after
+    the first are all known.
+    """
+    if type(spec) is not tf.TensorSpec or spec.shape.rank is None:
+        return None
+    dims = spec.shape.as_list()
+    if any(d is None for d in dims[1:]):
+        return None
+    if dims and dims[0] is None:
+        dims[0] = 1
+    return tf.zeros(dims, spec.dtype)
+
+
+def batch_from_spec(dataset):
+    """A batch of zeros shaped like `dataset`'s elements, or None.
+
+    Building from the element spec reads nothing from the dataset: reading
+    its first element an extra time would run the pipeline once more and,
+    on a `.cache()` pipeline, make TensorFlow discard a partial cache with
+    a warning that plain Keras never causes. None when some leaf is not a
+    dense tensor of known shape (ragged, sparse, a variable-size image),
+    where only a real element shows what the model will receive.
+    """
+    spec = dataset.element_spec
+    leaves = tf.nest.flatten(spec)
+    zeros = [_zeros_like_spec(leaf) for leaf in leaves]
+    if not leaves or any(z is None for z in zeros):
+        return None
+    return tf.nest.pack_sequence_as(spec, zeros)
+
+
 def first_batch(x, y=None, sample_weight=None):
     """A small `(x, y, sample_weight)` batch of the input, or None.
 
     Used to build an unbuilt model and the compiled loss and metrics before
-    the first step, so that nothing is created inside a replica.
+    the first step, so that nothing is created inside a replica. A dataset
+    gives a batch of zeros built from its element spec (`batch_from_spec`),
+    without reading it; only a dataset whose spec leaves shapes open is
+    read, one element.
     """
     if isinstance(x, tf.data.Dataset):
-        element = next(iter(x.take(1)))
+        element = batch_from_spec(x)
+        if element is None:
+            element = next(iter(x.take(1)))
         return keras.utils.unpack_x_y_sample_weight(element)
     if isinstance(x, keras.utils.PyDataset):
         return keras.utils.unpack_x_y_sample_weight(x[0])
@@ -123,9 +162,17 @@ class GroupedPyDataset(keras.utils.PyDataset):
 
 
 def capacity_of(dataset):
-    """Rows in the first element of a per-replica dataset."""
+    """Rows in the first element of a per-replica dataset.
+
+    Read from the element spec when the batch size is static; otherwise
+    from the dataset's first element.
+    """
     if isinstance(dataset, keras.utils.PyDataset):
         return num_rows(keras.utils.unpack_x_y_sample_weight(dataset[0])[0])
+    spec = keras.utils.unpack_x_y_sample_weight(dataset.element_spec)[0]
+    rows = tf.nest.flatten(spec)[0].shape[:1].as_list()
+    if rows and rows[0] is not None:  # batched with drop_remainder=True
+        return rows[0]
     element = next(iter(dataset.take(1)))
     x = keras.utils.unpack_x_y_sample_weight(element)[0]
     return int(tf.shape(tf.nest.flatten(x)[0])[0])

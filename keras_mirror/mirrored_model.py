@@ -129,6 +129,7 @@ class MirroredModel(_steps.ReplicaSteps, keras.Model):
                  worker_input="replicate", execution="auto",
                  replica_stats=True, name=None):
         _compat.check_keras_version()
+        _compat.check_backend()
         _rebuild.check_model(model)
         if batch not in BATCH_MODES:
             raise ValueError(
@@ -590,16 +591,27 @@ class MirroredModel(_steps.ReplicaSteps, keras.Model):
         return self._inner.export(filepath, format=format, **kwargs)
 
     def summary(self, *args, **kwargs):
-        """Prints the plan, the devices and the wrapped model's summary."""
-        print_fn = kwargs.get("print_fn") or print
-        print_fn(
-            f"MirroredModel: {self.num_replicas} replica(s) on "
-            f"{list(self._devices)}, batch={self._batch_mode!r}")
-        print_fn(f"Execution path: {self.execution_summary}")
+        """Prints the replicas and execution path, then the model's summary.
+
+        The header is a table in Keras's own `rich` style (long values wrap
+        in their column); the wrapped model's `summary` follows, with the
+        same arguments (`line_length`, `print_fn`, ...).
+        """
+        from keras_mirror import _rendering
+
         keys = self._stat_keys()
-        print_fn("Per-replica statistics: " + (
-            ", ".join(keys) if keys else "none") + (
-            "" if self._replica_stats else " (replica_stats=False)"))
+        stats = ", ".join(keys) if keys else "none"
+        if not self._replica_stats:
+            stats += " (replica_stats=False)"
+        _rendering.table(
+            f'MirroredModel: "{self.name}"', ["Setting", "Value"], [
+                ["Replicas", f"{self.num_replicas}: "
+                 + ", ".join(self._devices)],
+                ["Batch", repr(self._batch_mode)],
+                ["Execution path", self.execution_summary],
+                ["Per-replica statistics", stats],
+            ], print_fn=kwargs.get("print_fn"),
+            width=kwargs.get("line_length"))
         self._inner.summary(*args, **kwargs)
 
     @property

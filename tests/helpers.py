@@ -49,3 +49,21 @@ def own_step_model(features=None):
         # would mark the subclass built without any (Keras warns).
         model(np.zeros((1, features), "float32"))
     return model
+
+
+def summary_cells(mirrored):
+    """`mirrored.summary()`'s header table as {setting: value}.
+
+    A value that wraps over several lines is joined back with spaces.
+    """
+    lines = []
+    mirrored.summary(print_fn=lines.append)
+    header = lines[0].split("\nModel:")[0]
+    cells, setting = {}, None
+    for line in header.splitlines():
+        if not line.startswith("│"):
+            continue
+        left, right = (part.strip() for part in line.strip("│").split("│"))
+        setting = left or setting
+        cells[setting] = f"{cells[setting]} {right}" if not left else right
+    return header, cells

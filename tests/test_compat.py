@@ -222,3 +222,15 @@ def test_rekey_optimizer_follows_a_new_backing(cpus):
     _compat.rekey_optimizer(opt)
     opt.apply([tf.ones(2)], [var])
     assert int(opt.iterations) == 1
+def test_other_backend_is_refused_at_construction(monkeypatch):
+    import keras_mirror
+
+    model = keras.Sequential([keras.Input((2,)), keras.layers.Dense(1)])
+    monkeypatch.setattr(keras.backend, "backend", lambda: "jax")
+    with pytest.raises(ValueError) as info:
+        keras_mirror.MirroredModel(model)
+    assert str(info.value) == (
+        "keras-mirror needs Keras's TensorFlow backend (it trains on "
+        "`tf.distribute`). Set `KERAS_BACKEND=tensorflow` (or "
+        '`"backend": "tensorflow"` in ~/.keras/keras.json) before importing '
+        "Keras. Received: keras.backend.backend()='jax'")

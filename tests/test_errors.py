@@ -93,6 +93,18 @@ def _tf_config(text):
     return lambda cpus: cluster.cluster_from_env({"TF_CONFIG": text})
 
 
+def _on_backend(name):
+    """Builds a MirroredModel while Keras reports the backend `name`."""
+    def make(cpus):
+        original = keras.backend.backend
+        keras.backend.backend = lambda: name
+        try:
+            keras_mirror.MirroredModel(_seq(), devices=cpus)
+        finally:
+            keras.backend.backend = original
+    return make
+
+
 @dataclasses.dataclass
 class Case:
     argument: str
@@ -103,6 +115,10 @@ class Case:
 
 
 CASES = {
+    "keras_backend": Case(
+        "KERAS_BACKEND", "'jax'", _on_backend("jax"), ValueError,
+        r"keras-mirror needs Keras's TensorFlow backend .*Received: "
+        r"keras.backend.backend\(\)='jax'"),
     "model_type": Case(
         "model", "42 (not a keras.Model)",
         lambda cpus: keras_mirror.MirroredModel(42, devices=cpus),

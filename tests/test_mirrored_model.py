@@ -7,6 +7,7 @@ import tensorflow as tf
 from helpers import data
 from helpers import max_diff
 from helpers import mlp
+from helpers import summary_cells
 
 import keras_mirror
 
@@ -77,7 +78,8 @@ def test_split_plan_matches_the_rows_replicas_receive(cpus):
     assert got == [mirrored.split_plan(10), mirrored.split_plan(10),
                    mirrored.split_plan(3)]
     assert got[-1] == (1, 1, 1, 0)
-    assert history.history["replica_samples"][0].tolist() == [7, 7, 5, 4]
+    assert mirrored.replica_history["samples"][0] == [7, 7, 5, 4]
+    assert set(history.history) == {"loss"}  # the vectors stay out
 
 
 def test_split_plan_rules(cpus):
@@ -319,14 +321,20 @@ def test_num_replicas_devices_and_summary(cpus, capsys, execution):
     assert mirrored.num_replicas == 2
     assert mirrored.devices == (cpus[1], cpus[3])
     assert mirrored.execution == execution
-    mirrored.summary()
-    lines = capsys.readouterr().out.splitlines()
-    assert lines[0] == ("MirroredModel: 2 replica(s) on "
-                        "['/device:CPU:1', '/device:CPU:3'], batch='global'")
-    assert lines[1] == f"Execution path: {mirrored.execution_summary}"
-    assert lines[1].startswith(f"Execution path: {execution} (")
-    assert lines[1].endswith(
+    header, cells = summary_cells(mirrored)
+    assert header.splitlines()[0] == f'MirroredModel: "{mirrored.name}"'
+    assert cells["Replicas"] == "2: /device:CPU:1, /device:CPU:3"
+    assert cells["Batch"] == "'global'"
+    assert cells["Execution path"] == mirrored.execution_summary
+    assert mirrored.execution_summary.startswith(f"{execution} (")
+    assert mirrored.execution_summary.endswith(
         f"because execution='{execution}' was asked for.")
+    # Rendered by rich like Keras's own summary, and wrapped to its width.
+    assert max(len(line) for line in header.splitlines()) <= 88
+    mirrored.summary()
+    out = capsys.readouterr().out
+    assert out.startswith(header)
+    assert 'Model: "sequential' in out
 
 
 def test_steps_per_execution_is_exact(cpus):

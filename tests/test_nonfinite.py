@@ -134,7 +134,7 @@ def test_skip_step_keeps_weights_and_iterations(cpus, bad):
     assert iterations == before[1] == 0
     counts = mirrored.replica_history["batch"][0]["nonfinite"]
     assert [c > 0 for c in counts] == [r == BAD_REPLICA for r in range(4)]
-    epoch = history.history["replica_nonfinite"][0]
+    epoch = mirrored.replica_history["nonfinite"][0]
     assert list(np.asarray(epoch) > 0) == [False, False, True, False]
     assert len(messages) == 1
     assert "step 1 on replica(s) [2]" in messages[0]

@@ -1,7 +1,9 @@
 """Host-side bookkeeping of the per-replica logs: unpacking and history."""
 
+import csv
 import types
 
+import keras
 import numpy as np
 import pytest
 from helpers import data
@@ -120,3 +122,87 @@ def test_fit_fills_the_step_history_in_split_plan_order(cpus):
                    axis=0).tolist()
     assert epoch == [9, 8, 6]
     assert mirrored.replica_history["samples"] == [epoch, epoch]
+
+
+# -- what existing callbacks see: exactly plain Keras's logs -----------------
+
+
+class _Recorder(keras.callbacks.Callback):
+    """Records the log keys of every hook it sees."""
+
+    def __init__(self):
+        super().__init__()
+        self.keys = set()
+
+    def on_train_batch_end(self, batch, logs=None):
+        self.keys |= set(logs)
+
+    def on_epoch_end(self, epoch, logs=None):
+        self.keys |= set(logs)
+
+
+class _OptedIn(_Recorder):
+    wants_replica_logs = True
+
+
+def _fit_with_loggers(fit, tmp_path, name):
+    path = tmp_path / f"{name}.csv"
+    recorder, opted_in = _Recorder(), _OptedIn()
+    history = fit(callbacks=[keras.callbacks.CSVLogger(str(path)),
+                             recorder, opted_in])
+    with open(path, newline="") as f:
+        header = next(csv.reader(f))
+    return history.history, header, recorder.keys, opted_in.keys
+
+
+def test_history_and_csv_logger_see_plain_keras_keys(cpus, tmp_path):
+    x, y, _ = data(23)
+    kwargs = dict(x=x, y=y, batch_size=10, epochs=2, shuffle=False,
+                  verbose=0, validation_data=(x[:7], y[:7]))
+    plain = mlp()
+    plain.compile(optimizer="sgd", loss="mse", metrics=["mae"])
+    mirrored = keras_mirror.MirroredModel(mlp(), devices=cpus)
+    mirrored.compile(optimizer="sgd", loss="mse", metrics=["mae"])
+
+    p_hist, p_header, p_keys, _ = _fit_with_loggers(
+        lambda **kw: plain.fit(**kwargs, **kw), tmp_path, "plain")
+    m_hist, m_header, m_keys, m_opted = _fit_with_loggers(
+        lambda **kw: mirrored.fit(**kwargs, **kw), tmp_path, "mirrored")
+
+    assert list(m_hist) == list(p_hist) == [
+        "loss", "mae", "val_loss", "val_mae"]
+    assert m_header == p_header == [
+        "epoch", "loss", "mae", "val_loss", "val_mae"]
+    assert m_keys == p_keys
+    # The opt-in sees the vectors, and the epoch values per replica.
+    assert m_opted == p_keys | set(_replica_logs.STAT_KEYS)
+    assert mirrored.replica_history["samples"] == [[7, 7, 5, 4]] * 2
+
+
+def test_wants_replica_logs_is_the_opt_in():
+    assert not _replica_logs.wants_replica_logs(keras.callbacks.History())
+    assert not _replica_logs.wants_replica_logs(_Recorder())
+    assert _replica_logs.wants_replica_logs(_OptedIn())
+    assert _replica_logs.wants_replica_logs(
+        _replica_logs.ReplicaHistory(types.SimpleNamespace()))
+    assert _replica_logs.strip(
+        {"loss": 1, "replica_loss": 2, "val_replica_loss": 3,
+         "val_loss": 4}) == {"loss": 1, "val_loss": 4}
+
+
+def test_first_step_shows_one_tracing_line(cpus, capsys):
+    x, y, _ = data(23)
+    mirrored = keras_mirror.MirroredModel(mlp(), devices=cpus)
+    mirrored.compile(optimizer="sgd", loss="mse")
+    notice = ("\x1b[1m0/3\x1b[0m \x1b[37m" + "━" * 20 + "\x1b[0m "
+              "tracing the training step (once per compile)")
+    blank = "\r" + " " * (len(notice) - 17) + "\r"  # 17: escape codes
+    mirrored.fit(x, y, batch_size=10, epochs=1, verbose=1)
+    out = capsys.readouterr().out
+    assert out.startswith(notice + blank)
+    assert out.count(notice) == 1 and "3/3" in out
+    # Traced already: the next fit shows the progress bar only.
+    mirrored.fit(x, y, batch_size=10, epochs=1, verbose=1)
+    assert "tracing" not in capsys.readouterr().out
+    mirrored.fit(x, y, batch_size=10, epochs=1, verbose=0)
+    assert capsys.readouterr().out == ""

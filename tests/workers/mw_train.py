@@ -111,7 +111,8 @@ def main():
     weights = mirrored.model.get_weights()
     iterations = int(mirrored.optimizer.iterations.numpy())
     np.savez(out / f"weights_{index}.npz", *weights, iterations=iterations)
-    replica_samples = history.history.get("replica_samples")
+    # The per-replica vectors stay out of History (plain Keras's keys).
+    replica_samples = mirrored.replica_history.get("samples")
     info = {
         "attempt": attempt,
         "is_chief": mirrored.is_chief,
