@@ -187,7 +187,15 @@ def test_cli_runs_py_file_with_current_python(capsys):
     "argv, message",
     [
         (["-n", "2"], "a worker command is required"),
-        (["-n", "0", "--", "python"], "Received: num_workers=0"),
+        (["-n", "0", "--", "python"],
+         "`--nproc-per-node` must be an integer >= 1. Received: "
+         "--nproc-per-node 0"),
+        (["-n", "2", "--nnodes", "2", "--", "python"],
+         "`--nnodes` must be 1: keras-mirror launch starts workers on this "
+         "host only"),
+        (["-n", "2", "--min-workers", "3", "--", "python"],
+         "`--min-workers` must be at most `--nproc-per-node` (2). "
+         "Received: --min-workers 3"),
         (["--", "python"], "the following arguments are required: -n"),
     ],
 )
@@ -258,7 +266,7 @@ def test_missing_peer_fails_within_start_timeout(capsys):
     # port of task 1, so building the strategy waits for it forever.
     addresses = [f"127.0.0.1:{p}" for p in launch_lib._free_ports(2)]
     started = time.monotonic()
-    code, may_restart = launch_lib._run_attempt(
+    code, may_restart, _ = launch_lib._run_attempt(
         MWMS, addresses, [0], attempt=0, start_timeout=15, grace_period=1
     )
     elapsed = time.monotonic() - started
@@ -303,7 +311,7 @@ def test_launcher_import_does_not_load_tensorflow():
         "assert keras_mirror.replica_context().num_replicas == 1\n"
         "assert sorted(keras_mirror.__all__) == sorted(['MirroredModel', "
         "'ReplicaContext', 'ReplicaTensorBoard', 'StepBackup', "
-        "'__version__', 'errors', 'load_model', 'logical_cpus', "
+        "'__version__', 'errors', 'init', 'load_model', 'logical_cpus', "
         "'replica_context'])\n"
         "for name in keras_mirror.__all__: getattr(keras_mirror, name)\n"
         "try:\n"
