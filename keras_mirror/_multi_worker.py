@@ -63,11 +63,14 @@ def slurm_resolver():
     given a nominal GPU slot (only the ports matter) and `CUDA_VISIBLE_DEVICES`
     is left alone.
     """
+    import shutil
+
     import tensorflow as tf
 
     resolver = tf.distribute.cluster_resolver.SlurmClusterResolver
-    if tf.config.list_physical_devices("GPU") or \
-            "CUDA_VISIBLE_DEVICES" in os.environ:
+    # Not `tf.config.list_physical_devices`: the resolver sets
+    # `CUDA_VISIBLE_DEVICES` per task, which must happen before CUDA starts.
+    if "CUDA_VISIBLE_DEVICES" in os.environ or shutil.which("nvidia-smi"):
         return resolver()
     per_node = os.environ.get("SLURM_STEP_TASKS_PER_NODE", "1")
     most = max(int(part.split("(")[0]) for part in per_node.split(","))
