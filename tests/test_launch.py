@@ -325,3 +325,40 @@ def test_launcher_import_does_not_load_tensorflow():
     done = subprocess.run([sys.executable, "-c", code], capture_output=True,
                           text=True, timeout=120, env=env)
     assert done.returncode == 0, done.stderr[-2000:]
+
+
+@pytest.mark.timeout(90)
+@pytest.mark.parametrize("signum", [signal.SIGKILL, signal.SIGHUP])
+def test_launcher_killed_or_hung_up_leaves_no_orphan(tmp_path, signum):
+    # SIGKILL runs no handler: Linux's PR_SET_PDEATHSIG, set in each
+    # worker, kills it. SIGHUP (a closed terminal) stops the workers as
+    # SIGTERM does.
+    log = tmp_path / "out.txt"
+    command = [sys.executable, "-m", "keras_mirror.cli", "launch", "-n", "2"]
+    command += ["--start-timeout", "0", "--grace-period", "1", "--"]
+    command += ["python", str(WORKERS / "toy_worker.py"), "sleep"]
+    with open(log, "wb") as out:
+        launcher = subprocess.Popen(
+            command, stdout=out, stderr=subprocess.STDOUT, cwd=REPO
+        )
+    try:
+        deadline = time.monotonic() + 60
+        while len(_sleeper_pids(log.read_text())) < 2:
+            assert time.monotonic() < deadline, log.read_text()
+            assert launcher.poll() is None, log.read_text()
+            time.sleep(0.1)
+        pids = _sleeper_pids(log.read_text())
+        launcher.send_signal(signum)
+        launcher.wait(30)
+        deadline = time.monotonic() + 10
+        while not all(_gone(pid) for pid in pids):
+            assert time.monotonic() < deadline, f"orphans: {pids}"
+            time.sleep(0.1)
+    finally:
+        launcher.kill()
+        launcher.wait()
+        for pid in _sleeper_pids(log.read_text()):
+            if not _gone(pid):
+                os.kill(pid, signal.SIGKILL)
+    assert launcher.returncode == -signum if signum == signal.SIGKILL \
+        else 128 + signum
