@@ -10,7 +10,10 @@ workers all-gather instead of summing) and
 writes `OUT_DIR/weights_<task index>.npz` (the final weights, plus
 `iterations`) and `OUT_DIR/info_<task index>.json`. With `--kill-at-step S`
 the worker SIGKILLs itself after global step S, on launcher attempt 0 only
-(`KERAS_MIRROR_RESTART`).
+(`KERAS_MIRROR_RESTART`), or on every attempt with `--kill-always` (once
+past step S), when its task index is `--kill-worker` (default 1). With
+`--sigterm-at-step S`, worker 1 sends itself SIGTERM (a preemption) after
+step S on attempt 0.
 """
 
 import argparse
@@ -77,6 +80,10 @@ def main():
     parser.add_argument("--epochs", type=int, default=2)
     parser.add_argument("--backup")
     parser.add_argument("--kill-at-step", type=int)
+    parser.add_argument("--sigterm-at-step", type=int)
+    parser.add_argument("--backup-every", type=int, default=1)
+    parser.add_argument("--kill-worker", type=int, default=1)
+    parser.add_argument("--kill-always", action="store_true")
     parser.add_argument("--local-cpus", type=int, default=2)
     parser.add_argument("--model", choices=KINDS, default="dense")
     args = parser.parse_args()
@@ -99,15 +106,21 @@ def main():
         def on_train_batch_end(self, batch, logs=None):
             step = int(self.model.optimizer.iterations.numpy())
             times.setdefault("first_step", time.monotonic() - START)
-            if args.kill_at_step is not None and attempt == 0 and \
-                    step == args.kill_at_step and index == 1:
+            first = attempt == 0 or args.kill_always
+            if args.kill_at_step is not None and first and \
+                    step >= args.kill_at_step and index == args.kill_worker:
                 print(f"killing myself after step {step}", flush=True)
                 os.kill(os.getpid(), signal.SIGKILL)
+            if args.sigterm_at_step is not None and attempt == 0 and \
+                    step == args.sigterm_at_step and index == 1:
+                print(f"SIGTERM to myself after step {step}", flush=True)
+                os.kill(os.getpid(), signal.SIGTERM)
 
     callbacks = []
     if args.backup:
         from keras_mirror.callbacks.step_backup import StepBackup
-        callbacks.append(StepBackup(args.backup, every_n_steps=1))
+        callbacks.append(StepBackup(args.backup,
+                                    every_n_steps=args.backup_every))
     callbacks.append(Probe())
     x, y = data(args.model)
     history = mirrored.fit(x, y, batch_size=BATCH, epochs=args.epochs,
