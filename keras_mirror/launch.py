@@ -546,7 +546,8 @@ def launch(
             launcher stops workers; default 5.
         min_workers: int or `None`. Elastic restarts: when the same worker
             fails in two attempts in a row, the next attempt runs one
-            worker fewer, down to `min_workers`; default `None` (the group
+            worker fewer, down to `min_workers`; after a preemption the
+            group grows back to `num_workers`. Default `None` (the group
             keeps its size). With a `StepBackup`, training resumes where
             it stopped and stays exact on any number of workers.
         cpus_per_worker: int or `None`. Logical CPU replicas per worker on
@@ -610,6 +611,10 @@ def _attempts(command, num_workers, max_restarts, env, deadline,
         attempt += 1
         if code == PREEMPTED_EXIT_CODE:
             preempted += 1
+            if size != num_workers:
+                _say(f"growing back to {num_workers} worker(s) after the "
+                     "preemption.")
+            size, last_failed = num_workers, None
             _say("restarting all workers after the preemption (it does not "
                  "count against --max-restarts).")
             continue

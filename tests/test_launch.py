@@ -362,3 +362,27 @@ def test_launcher_killed_or_hung_up_leaves_no_orphan(tmp_path, signum):
                 os.kill(pid, signal.SIGKILL)
     assert launcher.returncode == -signum if signum == signal.SIGKILL \
         else 128 + signum
+
+
+@pytest.mark.timeout(60)
+def test_worker_failing_twice_shrinks_the_group_to_min_workers(capsys):
+    code = launch_lib.main(["-n", "3", "--min-workers", "2",
+                            "--max-restarts", "2", "--start-timeout", "0",
+                            "--grace-period", "1", "--", *TOY,
+                            "always-fail", "2"])
+    out, err = capsys.readouterr()
+    assert code == 0, err
+    assert err.count("worker 2 exited with code 7") == 2
+    assert ("[launcher] worker 2 failed in two attempts in a row; "
+            "continuing with 2 worker(s) (--min-workers 2).") in err
+    assert "attempt 3 of 3: starting 2 worker(s)" in err
+    assert sorted(re.findall(r"\[worker \d\] size 2", out)) == [
+        "[worker 0] size 2", "[worker 1] size 2"]
+
+
+def test_next_size_shrinks_only_for_a_repeated_failure():
+    assert launch_lib._next_size(3, 2, None, 2) == 3
+    assert launch_lib._next_size(3, 2, 1, 2) == 3
+    assert launch_lib._next_size(3, 2, 2, 2) == 2
+    assert launch_lib._next_size(2, 1, 1, 2) == 2
+    assert launch_lib._next_size(3, 2, 2, None) == 3
