@@ -14,6 +14,7 @@ from keras_mirror import _rebuild
 from keras_mirror import _replica_logs
 from keras_mirror import _steps
 from keras_mirror import _validate
+from keras_mirror import _worker_input
 from keras_mirror import allreduce
 from keras_mirror import devices as devices_lib
 from keras_mirror import launch as launch_lib
@@ -342,6 +343,7 @@ class MirroredModel(_steps.ReplicaSteps, keras.Model):
         return inner.metrics
 
     def train_step(self, data):
+        data = _worker_input.assemble(self, data)
         if self._custom_step:
             return _custom_step.train_step(self, data)
         if self._execution == "in_graph":
@@ -468,6 +470,8 @@ class MirroredModel(_steps.ReplicaSteps, keras.Model):
             validation_data, _ = self._adapt_input(validation_data, None)
         self._ensure_built(x, y, kwargs.get("sample_weight"))
         _validate.check_built_model(self, x, y)
+        x, y, batch_size, kwargs = _worker_input.shard_fit_input(
+            self, x, y, batch_size, kwargs)
         verbose = 1 if verbose == "auto" else verbose
         steps = _inputs.count_steps(x, batch_size, steps_per_epoch,
                                     kwargs.get("validation_split", 0.0))

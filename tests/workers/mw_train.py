@@ -81,6 +81,7 @@ def main():
     parser.add_argument("--backup")
     parser.add_argument("--kill-at-step", type=int)
     parser.add_argument("--sigterm-at-step", type=int)
+    parser.add_argument("--worker-input", default="replicate")
     parser.add_argument("--backup-every", type=int, default=1)
     parser.add_argument("--kill-worker", type=int, default=1)
     parser.add_argument("--kill-always", action="store_true")
@@ -95,7 +96,8 @@ def main():
     out = pathlib.Path(args.out_dir)
     attempt = int(os.environ.get("KERAS_MIRROR_RESTART", "0"))
     mirrored = keras_mirror.MirroredModel(model(args.model), devices=cpus,
-                                          timeout_seconds=60)
+                                          timeout_seconds=60,
+                                          worker_input=args.worker_input)
     task = keras_mirror.cluster.cluster_from_env()
     index = 0 if task is None else task.task_index
     mirrored.compile(optimizer=optimizer(), loss="mse")
