@@ -186,12 +186,13 @@ def init(cluster=None, cpus_per_worker=None):
     keras_mirror.MirroredModel(model).fit(ds, epochs=3)
     ```
     """
+    cpus = _cpus_per_worker(cpus_per_worker)
     spec = cluster_spec(cluster)
     if spec is None:
         return None
     if _state["spec"] is not None:
         return _state["spec"]
-    devices = _worker_devices(_cpus_per_worker(cpus_per_worker))
+    devices = _worker_devices(cpus)
     from keras_mirror import devices as devices_lib
 
     devices_lib.multi_worker_strategy(spec, devices)

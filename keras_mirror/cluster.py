@@ -303,7 +303,9 @@ def cluster_from_resolver(resolver):
         raise errors.ClusterConfigError(
             f"`cluster` ({type(resolver).__name__}) does not say which task this process is (its "
             "`task_type` is None); pass `task_type=` and `task_id=` to the "
-            f"resolver. Received: cluster={resolver!r}")
+            f"resolver. Received: cluster={type(resolver).__name__}("
+            f"cluster={jobs!r}, task_type={task_type!r}, "
+            f"task_id={task_id!r})")
     value = {"cluster": {k: list(v) if isinstance(v, (list, tuple))
                          else [v[i] for i in sorted(v)]
                          for k, v in jobs.items()},
