@@ -301,7 +301,8 @@ def cluster_from_resolver(resolver):
     task_type, task_id = resolver.task_type, resolver.task_id
     if task_type is None:
         raise errors.ClusterConfigError(
-            f"`cluster` ({type(resolver).__name__}) does not say which task this process is (its "
+            f"`cluster` ({type(resolver).__name__}) does not say which "
+            "task this process is (its "
             "`task_type` is None); pass `task_type=` and `task_id=` to the "
             f"resolver. Received: cluster={type(resolver).__name__}("
             f"cluster={jobs!r}, task_type={task_type!r}, "

@@ -13,14 +13,14 @@ import types
 
 import numpy as np
 import pytest
-
-from keras_mirror import _worker_input
-from keras_mirror import launch as launch_lib
 from test_multi_worker import WORKER
 from test_multi_worker import _no_leftover_processes  # noqa: F401
 from test_multi_worker import load
 from test_multi_worker import max_diff
 from test_multi_worker import single_device_weights
+
+from keras_mirror import _worker_input
+from keras_mirror import launch as launch_lib
 
 
 @pytest.mark.timeout(100)
