@@ -1,11 +1,18 @@
 """`keras-mirror launch`: start N local workers of a script with `TF_CONFIG`.
 
 ```
-keras-mirror launch -n 2 [--max-restarts K] [--timeout S]
-    [--start-timeout S] [--grace-period S] -- python train.py args...
+keras-mirror launch --nproc-per-node 2 [--cpus-per-worker C]
+    [--max-restarts K] [--min-workers M] [--timeout S] [--start-timeout S]
+    [--grace-period S] -- python train.py args...
 ```
 
-Starts `N` worker processes of the command on this host. Worker `i` gets:
+Flags follow `torchrun` where they mean the same: `-n`/`--nproc-per-node`
+(also `--num-workers`), `--max-restarts`, `--nnodes` (must be 1: the
+launcher starts workers on this host only). Errors name the flag.
+
+Starts `N` worker processes of the command on this host. `python` (or
+`python3`) as the first word means the launcher's own interpreter, and a
+first word ending in `.py` runs with it. Worker `i` gets:
 
 - `TF_CONFIG={"cluster": {"worker": ["127.0.0.1:p0", ...]},
   "task": {"type": "worker", "index": i}}`, on ports that were free when
@@ -13,12 +20,14 @@ Starts `N` worker processes of the command on this host. Worker `i` gets:
 - `KERAS_MIRROR_RESTART`: the attempt number, 0 at first, 1 after the
   first restart, and so on;
 - `KERAS_MIRROR_READY_FILE`: a path of its own (see "Readiness" below);
+- `KERAS_MIRROR_CPUS_PER_WORKER` with `--cpus-per-worker`: the logical
+  CPU replicas `import keras_mirror` gives the worker on a host without
+  GPUs;
 - `PYTHONUNBUFFERED=1` unless set, so that output streams as it is printed.
 
 Each line a worker prints is copied to the launcher's stdout (or stderr)
 as `[worker i] line`; the launcher's own messages go to stderr as
-`[launcher] ...`. A command whose first word ends in `.py` runs with the
-launcher's own Python interpreter.
+`[launcher] ...`.
 
 Failures. When any worker exits with a non-zero code, the launcher stops
 the others: SIGTERM to each worker's process group, then SIGKILL after the
@@ -30,34 +39,41 @@ the worker's bind (a race no launcher can close) fails that worker with
 TensorFlow's `Could not start gRPC server`; the launcher then names the
 busy port, and a restart picks new ports.
 
+Preemption. A worker that exits with `PREEMPTED_EXIT_CODE` (75) was
+preempted: with a `StepBackup`, every worker stops after the same step
+and the backup is written (see `keras_mirror._preemption`). The launcher
+waits for the others to exit, then restarts the group at its full size;
+this does not count against `--max-restarts`.
+
+Elastic. With `--min-workers M`, when the same worker index fails in two
+attempts in a row, the next attempt runs one worker fewer (down to M);
+with a `StepBackup` the run resumes where it stopped, and stays exact on
+any number of workers (a step does not depend on the replica count).
+
+The launcher's death. SIGTERM, SIGHUP and Ctrl-C stop every worker before
+the launcher exits with `128 + signal`. A launcher killed outright
+(SIGKILL) cannot clean up: each worker asks Linux for SIGKILL when its
+parent dies (`PR_SET_PDEATHSIG`), so none is left running.
+
 Readiness. A worker is ready once it has created the file named by
-`KERAS_MIRROR_READY_FILE`, which `mark_ready()` does. `MirroredModel`
-calls it as soon as its strategy is built; building a
-`MultiWorkerMirroredStrategy` waits until every peer has joined, so a
-ready worker is one whose cluster is complete. Scripts that build their
-own strategy call `keras_mirror.launch.mark_ready()` after it. A worker
-that exits also counts as ready. If some worker is not ready within the
-start-up timeout (a missing or unreachable peer makes TensorFlow wait
-forever, silently), the launcher names the workers that were not ready,
-stops the group and exits with `START_TIMEOUT_EXIT_CODE` (125), or
-restarts if restarts remain. `--start-timeout 0` turns the check off, for
-scripts that never call `mark_ready()`. `--timeout` bounds the whole run,
-restarts included; when it expires the launcher stops every worker and
-exits with `TIMEOUT_EXIT_CODE` (124), without restarting.
+`KERAS_MIRROR_READY_FILE`, which `keras_mirror.init()` (run by
+`import keras_mirror` in a cluster) and `MirroredModel` do as soon as the
+strategy is built; building a `MultiWorkerMirroredStrategy` waits until
+every peer has joined, so a ready worker is one whose cluster is
+complete. Scripts that build their own strategy call
+`keras_mirror.launch.mark_ready()` after it. A worker that exits also
+counts as ready. If some worker is not ready within the start-up timeout
+(a missing or unreachable peer makes TensorFlow wait forever, silently),
+the launcher names the workers that were not ready, stops the group and
+exits with `START_TIMEOUT_EXIT_CODE` (125), or restarts if restarts
+remain. `--start-timeout 0` turns the check off. `--timeout` bounds the
+whole run, restarts included; when it expires the launcher stops every
+worker and exits with `TIMEOUT_EXIT_CODE` (124), without restarting.
 
-Separate hosts. The launcher only starts local workers. To run the same
-script on several hosts, set `TF_CONFIG` by hand on each host, with the
-same `"cluster"` everywhere and each host's own `"task"` index, and start
-the script on every host (ports must be reachable between hosts):
-
-```
-# host 10.0.0.1
-TF_CONFIG='{"cluster": {"worker": ["10.0.0.1:2222", "10.0.0.2:2222"]},
-            "task": {"type": "worker", "index": 0}}' python train.py
-# host 10.0.0.2: the same, with "index": 1
-```
-
-`keras_mirror.cluster.cluster_from_env()` validates such a `TF_CONFIG`.
+Separate hosts. The launcher only starts local workers. On several hosts,
+set `TF_CONFIG` by hand on each host (the same `"cluster"` everywhere,
+each host's own `"task"` index), or run under Slurm (`srun`) or a
+Kubeflow `TFJob`; see the README's "Multi-worker" section.
 """
 
 import argparse
