@@ -28,6 +28,7 @@ from keras_mirror import errors
 WORKER_INPUT_MODES = ("replicate", "shard")
 INIT_ENV = "KERAS_MIRROR_INIT"
 CPUS_ENV = "KERAS_MIRROR_CPUS_PER_WORKER"
+PORT_BASE_ENV = "KERAS_MIRROR_PORT_BASE"
 READY_FILE_ENV = "KERAS_MIRROR_READY_FILE"
 # A worker that stopped for a preemption (SIGTERM) after writing its step
 # backup exits with this code (EX_TEMPFAIL: "try again"); the launcher
@@ -58,7 +59,9 @@ def _slurm_step(environ):
 def slurm_resolver():
     """TensorFlow's `SlurmClusterResolver` for this `srun` step.
 
-    On hosts without GPUs, TensorFlow's resolver would count GPUs with
+    Task `i` of a node listens on `KERAS_MIRROR_PORT_BASE + i` (default
+    8888, as TensorFlow). On hosts without GPUs, TensorFlow's resolver
+    would count GPUs with
     `nvidia-smi` and drop the tasks that get none; there every task is
     given a nominal GPU slot (only the ports matter) and `CUDA_VISIBLE_DEVICES`
     is left alone.
@@ -70,12 +73,23 @@ def slurm_resolver():
     resolver = tf.distribute.cluster_resolver.SlurmClusterResolver
     # Not `tf.config.list_physical_devices`: the resolver sets
     # `CUDA_VISIBLE_DEVICES` per task, which must happen before CUDA starts.
+    port_base = _port_base()
     if "CUDA_VISIBLE_DEVICES" in os.environ or shutil.which("nvidia-smi"):
-        return resolver()
+        return resolver(port_base=port_base)
     per_node = os.environ.get("SLURM_STEP_TASKS_PER_NODE", "1")
     most = max(int(part.split("(")[0]) for part in per_node.split(","))
-    return resolver(gpus_per_node=most, gpus_per_task=1,
-                    auto_set_gpu=False)
+    return resolver(port_base=port_base, gpus_per_node=most,
+                    gpus_per_task=1, auto_set_gpu=False)
+
+
+def _port_base():
+    """The first port of each Slurm node's tasks (`KERAS_MIRROR_PORT_BASE`)."""
+    text = os.environ.get(PORT_BASE_ENV, "8888")
+    if not text.isdigit() or not 1 <= int(text) <= 65535:
+        raise ValueError(
+            f"`{PORT_BASE_ENV}` must be a port number (the first port of "
+            f"each node's tasks). Received: {PORT_BASE_ENV}={text!r}")
+    return int(text)
 
 
 def cluster_from_environment(environ=None):

@@ -386,3 +386,22 @@ def test_next_size_shrinks_only_for_a_repeated_failure():
     assert launch_lib._next_size(3, 2, 2, 2) == 2
     assert launch_lib._next_size(2, 1, 1, 2) == 2
     assert launch_lib._next_size(3, 2, 2, None) == 3
+
+
+def test_group_shrinks_then_grows_back_after_a_preemption(monkeypatch):
+    results = iter([
+        (7, True, 2),  # worker 2 fails
+        (7, True, 2),  # ... again: drop one worker
+        (launch_lib.PREEMPTED_EXIT_CODE, True, None),  # grow back
+        (0, False, None),
+    ])
+    sizes = []
+
+    def attempt(command, addresses, tasks, *args):
+        sizes.append(len(tasks))
+        return next(results)
+
+    monkeypatch.setattr(launch_lib, "_run_attempt", attempt)
+    code = launch_lib.launch(["python", "x.py"], 3, max_restarts=2,
+                             min_workers=2)
+    assert (code, sizes) == (0, [3, 3, 2, 3])

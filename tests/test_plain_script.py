@@ -102,3 +102,55 @@ def test_tensorflow_initialised_first_names_the_line_to_move(tmp_path):
         "keras_mirror`) above the first line that builds a model or runs "
         "TensorFlow (a tensor, a layer, `tf.config.list_logical_devices`). "
         "Received: a cluster of 2 workers from the environment")
+
+
+def _two_free_ports():
+    from keras_mirror import cluster
+
+    for _ in range(50):
+        port = launch_lib._free_ports(1)[0]
+        if port < 65535 and not cluster.port_in_use(port + 1):
+            return port
+    pytest.skip("no two consecutive free ports")
+
+
+@pytest.mark.timeout(120)
+def test_plain_script_under_srun_environment_trains_like_one_device(
+        tmp_path):
+    # What `srun -N 1 -n 2 python plain_train.py` sets on a CPU-only node:
+    # task i listens on KERAS_MIRROR_PORT_BASE + i.
+    import os
+
+    port = _two_free_ports()
+    base = {k: v for k, v in os.environ.items()
+            if not k.startswith("SLURM") and k != "TF_CONFIG"}
+    base.update(
+        SLURM_JOB_ID="77", SLURM_STEP_ID="0", SLURM_NTASKS="2",
+        SLURM_STEP_NUM_TASKS="2", SLURM_STEP_NODELIST="localhost",
+        SLURM_JOB_NODELIST="localhost", SLURM_STEP_TASKS_PER_NODE="2",
+        SLURM_NNODES="1", KERAS_MIRROR_PORT_BASE=str(port),
+        KERAS_MIRROR_CPUS_PER_WORKER="2", TF_CPP_MIN_LOG_LEVEL="3",
+        PATH="/usr/bin:/bin")  # no nvidia-smi
+    logs = [open(tmp_path / f"task{i}.log", "w") for i in (0, 1)]
+    tasks = [subprocess.Popen(
+        [sys.executable, str(WORKERS / "plain_train.py"), str(tmp_path)],
+        env={**base, "SLURM_PROCID": str(i), "SLURM_LOCALID": str(i)},
+        stdout=logs[i], stderr=subprocess.STDOUT) for i in (0, 1)]
+    try:
+        codes = [task.wait(100) for task in tasks]
+    finally:
+        for task in tasks:
+            task.kill()
+            task.wait()
+        for log in logs:
+            log.close()
+    text = "".join((tmp_path / f"task{i}.log").read_text() for i in (0, 1))
+    assert codes == [0, 0], text[-3000:]
+    assert "multi-worker: 2 workers x 2 replicas" in text
+    ref = single_device_weights()
+    files = sorted(tmp_path.glob("weights_*.npz"))
+    assert len(files) == 2
+    for path in files:
+        with np.load(path) as f:
+            weights = [f[f"arr_{i}"] for i in range(len(ref))]
+        assert max_diff(weights, ref) < 1e-5
