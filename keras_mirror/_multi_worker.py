@@ -204,9 +204,9 @@ def init(cluster=None, cpus_per_worker=None):
     spec = cluster_spec(cluster)
     if spec is None:
         return None
-    if _state["spec"] is not None:
-        return _state["spec"]
-    devices = _worker_devices(cpus)
+    if _state["spec"] == spec and cpus_per_worker is None:
+        return spec
+    devices = _worker_devices(cpus)  # another cluster or count: refused
     from keras_mirror import devices as devices_lib
 
     devices_lib.multi_worker_strategy(spec, devices)
