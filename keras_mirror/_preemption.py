@@ -10,7 +10,13 @@ exits with `PREEMPTED_EXIT_CODE` (75), which `keras-mirror launch`
 restarts without counting it as a failure; the restarted run resumes from
 the backup and ends on the weights of an uninterrupted run (anchor:
 TensorFlow's `PreemptionCheckpointHandler`, which does the same for custom
-training loops).
+training loops). One host behaves the same, without the all-reduce. A
+second SIGTERM acts as it would without keras-mirror (the process ends at
+once), as does SIGTERM outside `fit`.
+
+Cost: the agreement is one scalar all-reduce per step, measured at
+1.5-2.3 ms on 2 local workers (beside 11-16 ms steps of a 64-256-256-10
+MLP at batch 256 on 2 shared cores).
 """
 
 import os
@@ -35,6 +41,10 @@ class Watch:
             self._previous = signal.signal(signal.SIGTERM, self._catch)
 
     def _catch(self, signum, frame):
+        if self.signalled:  # a second SIGTERM: let it act as before
+            self.close()
+            os.kill(os.getpid(), signum)
+            return
         self.signalled = True
 
     def close(self):

@@ -46,3 +46,17 @@ def test_sigterm_to_one_worker_stops_all_after_one_step_and_resumes(
     assert max_diff(w0, ref) < 1e-5
     print(f"after SIGTERM + restart: max |w - w_single| = "
           f"{max_diff(w0, ref):.3g}")
+
+
+def test_watch_catches_one_sigterm_and_restores_the_handler():
+    import os
+    import signal
+
+    from keras_mirror import _preemption
+
+    previous = signal.getsignal(signal.SIGTERM)
+    watch = _preemption.Watch()
+    os.kill(os.getpid(), signal.SIGTERM)
+    assert watch.signalled
+    watch.close()
+    assert signal.getsignal(signal.SIGTERM) is previous
