@@ -17,6 +17,10 @@ chief writes (atomically: a temporary file renamed into place); every
 worker reads the same file on resume, so with workers on several hosts the
 directory must be on a shared file system. The backup is deleted when
 `fit` completes (unless `delete_on_train_end=False`).
+
+Preemption: while it is in `fit`, SIGTERM to any worker stops every worker
+after the same step, with the backup written there, and exits with code 75
+for a restart (see `keras_mirror._preemption`).
 """
 
 import os
