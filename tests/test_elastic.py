@@ -1,6 +1,6 @@
 """Elastic, exact: a worker that dies for good, and the group shrinks.
 
-`keras-mirror launch -n 3 --min-workers 2 --max-restarts 2`: worker 2 is
+`keras-mirror launch -n 3 --min-workers 2 --max-restarts 3`: worker 2 is
 SIGKILLed after step 4 on every attempt (a host lost for good). Attempt 1
 resumes from the step backup and loses worker 2 again; attempt 2 runs on
 2 workers, resumes from the backup and finishes. Because a step does not
@@ -30,7 +30,7 @@ def test_group_shrinks_after_a_worker_dies_for_good_and_stays_exact(
         [sys.executable, str(WORKER), str(tmp_path), "--epochs", "2",
          "--local-cpus", "1", "--backup", str(backup), "--kill-at-step",
          "4", "--kill-worker", "2", "--kill-always"], 3,
-        max_restarts=2, min_workers=2, timeout=260, start_timeout=90,
+        max_restarts=3, min_workers=2, timeout=260, start_timeout=90,
         grace_period=2)
     out, err = capsys.readouterr()
     assert code == 0, out[-3000:] + err[-5000:]
@@ -41,7 +41,10 @@ def test_group_shrinks_after_a_worker_dies_for_good_and_stays_exact(
     assert "StepBackup resumes at epoch 0, step 5 (optimizer step 5)" in out
     infos = [json.loads((tmp_path / f"info_{i}.json").read_text())
              for i in (0, 1)]
-    assert [(i["attempt"], i["num_workers"]) for i in infos] == [(2, 2)] * 2
+    # Attempt 2, or later if a port was taken by another process meanwhile
+    # (the one restart of margin).
+    assert [i["num_workers"] for i in infos] == [2, 2]
+    assert infos[0]["attempt"] == infos[1]["attempt"] >= 2
     w0, it0 = load(tmp_path, 0)
     w1, it1 = load(tmp_path, 1)
     ref, ref_it = single_device_weights(2)
