@@ -26,10 +26,11 @@ import time
 
 START = time.monotonic()
 os.environ.setdefault("TF_CPP_MIN_LOG_LEVEL", "2")
-# `import keras_mirror` sets a worker up with this many logical CPUs.
-_CPUS = sys.argv[sys.argv.index("--local-cpus") + 1] \
-    if "--local-cpus" in sys.argv else "2"
-os.environ.setdefault("KERAS_MIRROR_CPUS_PER_WORKER", _CPUS)
+if __name__ == "__main__":  # not when a test imports model() and data()
+    # `import keras_mirror` sets a worker up with this many logical CPUs.
+    os.environ["KERAS_MIRROR_CPUS_PER_WORKER"] = sys.argv[
+        sys.argv.index("--local-cpus") + 1] \
+        if "--local-cpus" in sys.argv else "2"
 
 import keras_mirror  # noqa: E402
 
