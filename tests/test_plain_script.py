@@ -114,28 +114,13 @@ def _two_free_ports():
     pytest.skip("no two consecutive free ports")
 
 
-@pytest.mark.timeout(120)
-def test_plain_script_under_srun_environment_trains_like_one_device(
-        tmp_path):
-    # What `srun -N 1 -n 2 python plain_train.py` sets on a CPU-only node:
-    # task i listens on KERAS_MIRROR_PORT_BASE + i.
-    import os
-
-    port = _two_free_ports()
-    base = {k: v for k, v in os.environ.items()
-            if not k.startswith("SLURM") and k != "TF_CONFIG"}
-    base.update(
-        SLURM_JOB_ID="77", SLURM_STEP_ID="0", SLURM_NTASKS="2",
-        SLURM_STEP_NUM_TASKS="2", SLURM_STEP_NODELIST="localhost",
-        SLURM_JOB_NODELIST="localhost", SLURM_STEP_TASKS_PER_NODE="2",
-        SLURM_NNODES="1", KERAS_MIRROR_PORT_BASE=str(port),
-        KERAS_MIRROR_CPUS_PER_WORKER="2", TF_CPP_MIN_LOG_LEVEL="3",
-        PATH="/usr/bin:/bin")  # no nvidia-smi
-    logs = [open(tmp_path / f"task{i}.log", "w") for i in (0, 1)]
+def _run_tasks(tmp_path, envs):
+    """Runs plain_train.py once per environment, as a cluster would."""
+    logs = [open(tmp_path / f"task{i}.log", "w") for i in range(len(envs))]
     tasks = [subprocess.Popen(
         [sys.executable, str(WORKERS / "plain_train.py"), str(tmp_path)],
-        env={**base, "SLURM_PROCID": str(i), "SLURM_LOCALID": str(i)},
-        stdout=logs[i], stderr=subprocess.STDOUT) for i in (0, 1)]
+        env=env, stdout=log, stderr=subprocess.STDOUT)
+        for env, log in zip(envs, logs)]
     try:
         codes = [task.wait(100) for task in tasks]
     finally:
@@ -144,13 +129,57 @@ def test_plain_script_under_srun_environment_trains_like_one_device(
             task.wait()
         for log in logs:
             log.close()
-    text = "".join((tmp_path / f"task{i}.log").read_text() for i in (0, 1))
-    assert codes == [0, 0], text[-3000:]
-    assert "multi-worker: 2 workers x 2 replicas" in text
+    text = "".join((tmp_path / f"task{i}.log").read_text()
+                   for i in range(len(envs)))
+    assert codes == [0] * len(envs), text[-3000:]
     ref = single_device_weights()
     files = sorted(tmp_path.glob("weights_*.npz"))
-    assert len(files) == 2
+    assert len(files) == len(envs)
     for path in files:
         with np.load(path) as f:
             weights = [f[f"arr_{i}"] for i in range(len(ref))]
         assert max_diff(weights, ref) < 1e-5
+    return text
+
+
+def _base_env():
+    import os
+
+    env = {k: v for k, v in os.environ.items()
+           if not k.startswith("SLURM") and k != "TF_CONFIG"}
+    env.update(KERAS_MIRROR_CPUS_PER_WORKER="2", TF_CPP_MIN_LOG_LEVEL="3",
+               PATH="/usr/bin:/bin")  # no nvidia-smi
+    return env
+
+
+@pytest.mark.timeout(120)
+def test_plain_script_under_srun_environment_trains_like_one_device(
+        tmp_path):
+    # What `srun -N 1 -n 2 python plain_train.py` sets on a CPU-only node:
+    # task i listens on KERAS_MIRROR_PORT_BASE + i.
+    base = _base_env()
+    base.update(
+        SLURM_JOB_ID="77", SLURM_STEP_ID="0", SLURM_NTASKS="2",
+        SLURM_STEP_NUM_TASKS="2", SLURM_STEP_NODELIST="localhost",
+        SLURM_JOB_NODELIST="localhost", SLURM_STEP_TASKS_PER_NODE="2",
+        SLURM_NNODES="1", KERAS_MIRROR_PORT_BASE=str(_two_free_ports()))
+    text = _run_tasks(tmp_path, [
+        {**base, "SLURM_PROCID": str(i), "SLURM_LOCALID": str(i)}
+        for i in (0, 1)])
+    assert "multi-worker: 2 workers x 2 replicas" in text
+
+
+@pytest.mark.timeout(120)
+def test_plain_script_as_kubeflow_tfjob_chief_and_worker(tmp_path):
+    # The TF_CONFIG a TFJob with one Chief and one Worker replica gives
+    # each pod ("environment": "cloud" included): the chief is worker 0.
+    ports = launch_lib._free_ports(2)
+    cluster = {"chief": [f"127.0.0.1:{ports[0]}"],
+               "worker": [f"127.0.0.1:{ports[1]}"]}
+    text = _run_tasks(tmp_path, [
+        {**_base_env(), "TF_CONFIG": json.dumps(
+            {"cluster": cluster, "task": {"type": kind, "index": 0},
+             "environment": "cloud"})}
+        for kind in ("chief", "worker")])
+    assert "(this worker: task chief:0, replicas [0, 1], chief)" in text
+    assert "(this worker: task worker:0, replicas [2, 3])." in text
