@@ -3,6 +3,11 @@
 The public names are imported on first use (PEP 562), so that importing a
 module that needs no TensorFlow, such as `keras_mirror.launch` (the
 `keras-mirror launch` command), does not pay TensorFlow's start-up.
+
+In a multi-worker run (`TF_CONFIG`, or an `srun` step of 2+ tasks),
+importing keras-mirror sets this worker up (`keras_mirror.init()`) before
+TensorFlow initialises its devices, so that a plain script needs no other
+line; `KERAS_MIRROR_INIT=0` turns that off.
 """
 
 import importlib
@@ -17,6 +22,7 @@ _EXPORTS = {
     "MirroredModel": "keras_mirror.mirrored_model",
     "ReplicaTensorBoard": "keras_mirror.callbacks.replica_tensorboard",
     "StepBackup": "keras_mirror.callbacks.step_backup",
+    "init": "keras_mirror._multi_worker",
     "load_model": "keras_mirror.saving",
     "logical_cpus": "keras_mirror.devices",
 }
@@ -41,3 +47,6 @@ def __getattr__(name):
 
 def __dir__():
     return sorted(set(globals()) | set(__all__))
+
+
+importlib.import_module("keras_mirror._multi_worker").auto_init()

@@ -270,6 +270,50 @@ def cluster_from_env(environ=None):
     return spec if spec.num_workers > 1 else None
 
 
+def cluster_from_resolver(resolver):
+    """Validates the cluster of a TensorFlow `ClusterResolver`.
+
+    Accepts any `tf.distribute.cluster_resolver.ClusterResolver`:
+    `TFConfigClusterResolver` (a Kubeflow `TFJob`'s `chief` + `worker`),
+    `SlurmClusterResolver`, `SimpleClusterResolver`, and so on. Its
+    `cluster_spec()`, `task_type` and `task_id` are checked as a
+    `TF_CONFIG` would be.
+
+    Args:
+        resolver: a TensorFlow `ClusterResolver`.
+
+    Returns:
+        A `ClusterSpec`, also for a one-task cluster.
+
+    Raises:
+        ClusterConfigError: as `parse_cluster`; also when the resolver does
+            not say which task this process is. The message names
+            `cluster`.
+
+    Example:
+
+    ```python
+    resolver = tf.distribute.cluster_resolver.TFConfigClusterResolver()
+    spec = keras_mirror.cluster.cluster_from_resolver(resolver)
+    ```
+    """
+    jobs = resolver.cluster_spec().as_dict()
+    task_type, task_id = resolver.task_type, resolver.task_id
+    if task_type is None:
+        raise errors.ClusterConfigError(
+            f"`cluster` ({type(resolver).__name__}) does not say which "
+            "task this process is (its "
+            "`task_type` is None); pass `task_type=` and `task_id=` to the "
+            f"resolver. Received: cluster={type(resolver).__name__}("
+            f"cluster={jobs!r}, task_type={task_type!r}, "
+            f"task_id={task_id!r})")
+    value = {"cluster": {k: list(v) if isinstance(v, (list, tuple))
+                         else [v[i] for i in sorted(v)]
+                         for k, v in jobs.items()},
+             "task": {"type": task_type, "index": int(task_id or 0)}}
+    return _parse(value, "cluster")
+
+
 def port_in_use(port):
     """Whether a TCP `port` cannot be bound on all interfaces right now.
 

@@ -50,6 +50,7 @@ def logical_cpus(n):
     except RuntimeError:
         current = _local_logical_devices("CPU")
         if len(current) != n:
+            _check_worker_cpus(len(current), n)
             raise errors.DevicesAlreadyInitializedError(
                 "`logical_cpus(n)` must run before TensorFlow initialises "
                 f"its devices; they are already initialised with "
@@ -58,6 +59,20 @@ def logical_cpus(n):
                 f"before building any model. Received: n={n!r}"
             ) from None
     return [d.name for d in _local_logical_devices("CPU")]
+
+
+def _check_worker_cpus(current, n):
+    """Names the variable to set when `import keras_mirror` set up a worker."""
+    from keras_mirror import _multi_worker
+
+    if _multi_worker.initialized_devices() is None:
+        return
+    raise errors.DevicesAlreadyInitializedError(
+        "In a multi-worker run, `import keras_mirror` sets up each worker "
+        f"(here with {current} logical CPU(s)) before TensorFlow starts, "
+        f"so `logical_cpus(n)` comes too late. Set "
+        f"`{_multi_worker.CPUS_ENV}={n}` (`keras-mirror launch "
+        f"--cpus-per-worker {n}`) and drop the call. Received: n={n!r}")
 
 
 def _local_logical_devices(kind=None):
@@ -189,17 +204,17 @@ def mirrored_strategy(devices, communication="auto"):
 
 
 def _start_cluster_from_env(n):
-    """With a multi-worker `TF_CONFIG`, builds the strategy over `n` CPUs.
+    """With a multi-worker cluster in the environment, builds the strategy.
 
     `MultiWorkerMirroredStrategy` must be built before TensorFlow
     initialises its runtime (building a model does), so `logical_cpus`
-    builds it at once; `MirroredModel` then finds it in the cache.
+    builds it at once over its `n` CPUs (`import keras_mirror` has already
+    done so unless `KERAS_MIRROR_INIT=0`); `MirroredModel` then finds it in
+    the cache.
     """
-    from keras_mirror import cluster as cluster_lib
+    from keras_mirror import _multi_worker
 
-    spec = cluster_lib.cluster_from_env()
-    if spec is not None:
-        multi_worker_strategy(spec, [f"/device:CPU:{i}" for i in range(n)])
+    _multi_worker.init(cpus_per_worker=n)
 
 
 def _local_index(name):
@@ -278,12 +293,11 @@ def multi_worker_strategy(spec, devices, communication_options=None):
                 raise
             raise errors.DevicesAlreadyInitializedError(
                 "A multi-worker strategy must be built before TensorFlow "
-                "initialises its runtime (building a model or listing "
-                "devices does). With CPUs, call `keras_mirror.logical_cpus"
-                "(n)` first thing: under a multi-worker `TF_CONFIG` it "
-                "builds the strategy. With GPUs, call `keras_mirror.devices."
-                "multi_worker_strategy(keras_mirror.cluster.cluster_from_env"
-                "(), gpu_names)` first thing. "
+                "initialises its devices (building a model or listing "
+                "devices does). Put `import keras_mirror` at the top of "
+                "your script (it builds the strategy when `TF_CONFIG` or "
+                "Slurm names a cluster), or call `keras_mirror.init("
+                "cluster)` first thing when you pass `cluster=` yourself. "
                 f"Received: cluster={spec!r}") from None
         _STRATEGIES[key] = strategy
         return strategy

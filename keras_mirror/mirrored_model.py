@@ -14,9 +14,9 @@ from keras_mirror import _rebuild
 from keras_mirror import _replica_logs
 from keras_mirror import _steps
 from keras_mirror import _validate
+from keras_mirror import _worker_input
 from keras_mirror import allreduce
 from keras_mirror import devices as devices_lib
-from keras_mirror import launch as launch_lib
 from keras_mirror import split
 from keras_mirror.callbacks import step_backup
 
@@ -172,7 +172,7 @@ class MirroredModel(_steps.ReplicaSteps, keras.Model):
             # The variables stay where the user made them; the steps place
             # each replica's shard with `tf.device`.
             strategy = tf.distribute.get_strategy()
-        launch_lib.mark_ready()
+        _multi_worker.mark_ready()
         super().__init__(name=name or f"mirrored_{original.name}")
         self._strategy = strategy
         self._devices = tuple(resolved)
@@ -345,6 +345,7 @@ class MirroredModel(_steps.ReplicaSteps, keras.Model):
         return inner.metrics
 
     def train_step(self, data):
+        data = _worker_input.assemble(self, data)
         if self._custom_step:
             return _custom_step.train_step(self, data)
         if self._execution == "in_graph":
@@ -471,6 +472,8 @@ class MirroredModel(_steps.ReplicaSteps, keras.Model):
             validation_data, _ = self._adapt_input(validation_data, None)
         self._ensure_built(x, y, kwargs.get("sample_weight"))
         _validate.check_built_model(self, x, y)
+        x, y, batch_size, kwargs = _worker_input.shard_fit_input(
+            self, x, y, batch_size, kwargs)
         verbose = 1 if verbose == "auto" else verbose
         steps = _inputs.count_steps(x, batch_size, steps_per_epoch,
                                     kwargs.get("validation_split", 0.0))

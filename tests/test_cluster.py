@@ -237,3 +237,125 @@ def test_port_in_use():
         port = sock.getsockname()[1]
         assert cluster_lib.port_in_use(port)
     assert not cluster_lib.port_in_use(port)
+
+
+# -- TensorFlow's cluster resolvers (`cluster=`, `keras_mirror.init`) -------
+
+# The environment `srun -N 2 --ntasks-per-node 2 python train.py` gives
+# task 1 (second task of node001) on a CPU-only cluster.
+SLURM_ENV = {
+    "SLURM_JOB_ID": "4242",
+    "SLURM_JOB_NODELIST": "node[001-002]",
+    "SLURM_JOB_NUM_NODES": "2",
+    "SLURM_NNODES": "2",
+    "SLURM_NTASKS": "4",
+    "SLURM_NPROCS": "4",
+    "SLURM_TASKS_PER_NODE": "2(x2)",
+    "SLURM_STEP_ID": "0",
+    "SLURM_STEPID": "0",
+    "SLURM_STEP_NODELIST": "node[001-002]",
+    "SLURM_STEP_NUM_NODES": "2",
+    "SLURM_STEP_NUM_TASKS": "4",
+    "SLURM_STEP_TASKS_PER_NODE": "2(x2)",
+    "SLURM_PROCID": "1",
+    "SLURM_LOCALID": "1",
+    "SLURM_NODEID": "0",
+    "SLURMD_NODENAME": "node001",
+    "SLURM_CPUS_ON_NODE": "8",
+}
+
+
+@pytest.fixture
+def slurm(monkeypatch):
+    for key in list(__import__("os").environ):
+        if key.startswith("SLURM") or key in ("TF_CONFIG",
+                                               "CUDA_VISIBLE_DEVICES"):
+            monkeypatch.delenv(key)
+    for key, value in SLURM_ENV.items():
+        monkeypatch.setenv(key, value)
+    monkeypatch.setattr("shutil.which", lambda name: None)  # no nvidia-smi
+
+
+def test_srun_step_is_a_cluster_from_the_environment(slurm):
+    from keras_mirror import _multi_worker
+
+    spec, source = _multi_worker.cluster_from_environment()
+    assert source == "Slurm"
+    assert spec == cluster_lib.ClusterSpec(
+        workers=("node001:8888", "node001:8889", "node002:8888",
+                 "node002:8889"),
+        task_type="worker", task_index=1)
+    assert not spec.is_chief and spec.address == "node001:8889"
+
+
+def test_slurm_resolver_is_accepted_as_cluster(slurm):
+    import tensorflow as tf
+
+    from keras_mirror import _multi_worker
+
+    resolver = tf.distribute.cluster_resolver.SlurmClusterResolver(
+        port_base=23456, gpus_per_node=2, gpus_per_task=1,
+        auto_set_gpu=False)
+    spec = _multi_worker.cluster_spec(resolver)
+    assert spec.workers == ("node001:23456", "node001:23457",
+                            "node002:23456", "node002:23457")
+    assert (spec.task_type, spec.task_index) == ("worker", 1)
+
+
+def test_batch_script_outside_srun_is_not_a_cluster(slurm, monkeypatch):
+    from keras_mirror import _multi_worker
+
+    monkeypatch.delenv("SLURM_STEP_ID")
+    assert _multi_worker.cluster_from_environment() == (None, None)
+
+
+KUBEFLOW_TF_CONFIG = {
+    "cluster": {
+        "chief": ["mnist-chief-0.kubeflow.svc:2222"],
+        "worker": ["mnist-worker-0.kubeflow.svc:2222",
+                   "mnist-worker-1.kubeflow.svc:2222"],
+    },
+    "task": {"type": "worker", "index": 1},
+    "environment": "cloud",
+}
+
+
+def test_kubeflow_tfjob_through_tf_config_resolver(monkeypatch):
+    import tensorflow as tf
+
+    from keras_mirror import _multi_worker
+
+    monkeypatch.setenv("TF_CONFIG", json.dumps(KUBEFLOW_TF_CONFIG))
+    resolver = tf.distribute.cluster_resolver.TFConfigClusterResolver()
+    spec = _multi_worker.cluster_spec(resolver)
+    assert spec == cluster_lib.cluster_from_env()
+    assert spec.chief == "mnist-chief-0.kubeflow.svc:2222"
+    assert (spec.num_workers, spec.is_chief) == (3, False)
+    assert _multi_worker.worker_position(spec) == 2
+
+
+def test_resolver_without_a_task_names_what_to_pass():
+    import tensorflow as tf
+
+    from keras_mirror import _multi_worker
+
+    resolver = tf.distribute.cluster_resolver.SimpleClusterResolver(
+        tf.train.ClusterSpec({"worker": TWO}))
+    with pytest.raises(errors.ClusterConfigError, match=re.escape(
+            "`cluster` (SimpleClusterResolver) does not say which task this "
+            "process is (its `task_type` is None); pass `task_type=` and "
+            "`task_id=` to the resolver. Received: cluster=")):
+        _multi_worker.cluster_spec(resolver)
+
+
+def test_resolver_with_a_parameter_server_keeps_the_clear_error():
+    import tensorflow as tf
+
+    from keras_mirror import _multi_worker
+
+    resolver = tf.distribute.cluster_resolver.SimpleClusterResolver(
+        tf.train.ClusterSpec({"worker": TWO, "ps": ["127.0.0.1:2224"]}),
+        task_type="worker", task_id=0)
+    with pytest.raises(errors.ClusterConfigError, match=re.escape(
+            "has the job(s) ['ps']; only the jobs of synchronous training")):
+        _multi_worker.cluster_spec(resolver)

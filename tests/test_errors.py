@@ -20,8 +20,10 @@ import tensorflow as tf
 from helpers import own_step_model
 
 import keras_mirror
+from keras_mirror import _worker_input
 from keras_mirror import cluster
 from keras_mirror import errors
+from keras_mirror import launch
 from keras_mirror import saving
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
@@ -87,6 +89,19 @@ class _RootAddLoss(keras.layers.Layer):
 def _root_add_loss():
     a = keras.Input((3,))
     return keras.Model(a, keras.layers.Dense(1)(_RootAddLoss(name="root")(a)))
+
+
+def _unassigned_resolver(cpus):
+    resolver = tf.distribute.cluster_resolver.SimpleClusterResolver(
+        tf.train.ClusterSpec({"worker": ["h1:2222", "h2:2222"]}))
+    return keras_mirror.MirroredModel(_seq(), cpus, cluster=resolver)
+
+
+def _shard_shuffled(cpus):
+    worker = type("Worker", (), dict(
+        local_replica_ids=(0, 1), num_replicas=4, devices=("a", "b"),
+        batch_mode="global", worker_input="shard", num_workers=2))
+    return _worker_input.shard_fit_input(worker, X, Y, 8, {})
 
 
 def _tf_config(text):
@@ -396,6 +411,32 @@ CASES = {
         lambda cpus: saving.load_model("model.h5"),
         errors.UnsafeModelError, r"`filepath` must be a `.keras` file.*"
         r"Received: filepath='model.h5'"),
+    "worker_input": Case(
+        "worker_input", "'files'",
+        lambda cpus: keras_mirror.MirroredModel(_seq(), cpus,
+                                                worker_input="files"),
+        ValueError, r"`worker_input` must be one of \('replicate', "
+        r"'shard'\).*Received: worker_input='files'"),
+    "worker_input_shard_shuffle": Case(
+        "shuffle", "True (the default) with worker_input='shard'",
+        _shard_shuffled, ValueError,
+        r"`worker_input='shard'` needs `shuffle=False`.*Received: "
+        r"shuffle=True"),
+    "cluster_resolver_task": Case(
+        "cluster", "a ClusterResolver without task_type",
+        _unassigned_resolver, errors.ClusterConfigError,
+        r"`cluster` \(SimpleClusterResolver\) does not say which task.*"
+        r"Received: cluster="),
+    "init_cpus_per_worker": Case(
+        "cpus_per_worker", "0",
+        lambda cpus: keras_mirror.init(cpus_per_worker=0), ValueError,
+        r"`cpus_per_worker` must be a positive integer\. "
+        r"Received: cpus_per_worker=0"),
+    "launch_min_workers": Case(
+        "min_workers", "3 with num_workers=2",
+        lambda cpus: launch.launch(["python", "train.py"], 2, min_workers=3),
+        ValueError, r"`min_workers` must be at most `num_workers` \(2\)\. "
+        r"Received: min_workers=3"),
     "tf_config_json": Case(
         "TF_CONFIG", "'{\"cluster\": ' (bad JSON)",
         _tf_config('{"cluster": '),

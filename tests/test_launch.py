@@ -187,7 +187,15 @@ def test_cli_runs_py_file_with_current_python(capsys):
     "argv, message",
     [
         (["-n", "2"], "a worker command is required"),
-        (["-n", "0", "--", "python"], "Received: num_workers=0"),
+        (["-n", "0", "--", "python"],
+         "`--nproc-per-node` must be an integer >= 1. Received: "
+         "--nproc-per-node 0"),
+        (["-n", "2", "--nnodes", "2", "--", "python"],
+         "`--nnodes` must be 1: keras-mirror launch starts workers on this "
+         "host only"),
+        (["-n", "2", "--min-workers", "3", "--", "python"],
+         "`--min-workers` must be at most `--nproc-per-node` (2). "
+         "Received: --min-workers 3"),
         (["--", "python"], "the following arguments are required: -n"),
     ],
 )
@@ -258,7 +266,7 @@ def test_missing_peer_fails_within_start_timeout(capsys):
     # port of task 1, so building the strategy waits for it forever.
     addresses = [f"127.0.0.1:{p}" for p in launch_lib._free_ports(2)]
     started = time.monotonic()
-    code, may_restart = launch_lib._run_attempt(
+    code, may_restart, _ = launch_lib._run_attempt(
         MWMS, addresses, [0], attempt=0, start_timeout=15, grace_period=1
     )
     elapsed = time.monotonic() - started
@@ -303,7 +311,7 @@ def test_launcher_import_does_not_load_tensorflow():
         "assert keras_mirror.replica_context().num_replicas == 1\n"
         "assert sorted(keras_mirror.__all__) == sorted(['MirroredModel', "
         "'ReplicaContext', 'ReplicaTensorBoard', 'StepBackup', "
-        "'__version__', 'errors', 'load_model', 'logical_cpus', "
+        "'__version__', 'errors', 'init', 'load_model', 'logical_cpus', "
         "'replica_context'])\n"
         "for name in keras_mirror.__all__: getattr(keras_mirror, name)\n"
         "try:\n"
@@ -317,3 +325,83 @@ def test_launcher_import_does_not_load_tensorflow():
     done = subprocess.run([sys.executable, "-c", code], capture_output=True,
                           text=True, timeout=120, env=env)
     assert done.returncode == 0, done.stderr[-2000:]
+
+
+@pytest.mark.timeout(90)
+@pytest.mark.parametrize("signum", [signal.SIGKILL, signal.SIGHUP])
+def test_launcher_killed_or_hung_up_leaves_no_orphan(tmp_path, signum):
+    # SIGKILL runs no handler: Linux's PR_SET_PDEATHSIG, set in each
+    # worker, kills it. SIGHUP (a closed terminal) stops the workers as
+    # SIGTERM does.
+    log = tmp_path / "out.txt"
+    command = [sys.executable, "-m", "keras_mirror.cli", "launch", "-n", "2"]
+    command += ["--start-timeout", "0", "--grace-period", "1", "--"]
+    command += ["python", str(WORKERS / "toy_worker.py"), "sleep"]
+    with open(log, "wb") as out:
+        launcher = subprocess.Popen(
+            command, stdout=out, stderr=subprocess.STDOUT, cwd=REPO
+        )
+    try:
+        deadline = time.monotonic() + 60
+        while len(_sleeper_pids(log.read_text())) < 2:
+            assert time.monotonic() < deadline, log.read_text()
+            assert launcher.poll() is None, log.read_text()
+            time.sleep(0.1)
+        pids = _sleeper_pids(log.read_text())
+        launcher.send_signal(signum)
+        launcher.wait(30)
+        deadline = time.monotonic() + 10
+        while not all(_gone(pid) for pid in pids):
+            assert time.monotonic() < deadline, f"orphans: {pids}"
+            time.sleep(0.1)
+    finally:
+        launcher.kill()
+        launcher.wait()
+        for pid in _sleeper_pids(log.read_text()):
+            if not _gone(pid):
+                os.kill(pid, signal.SIGKILL)
+    assert launcher.returncode == -signum if signum == signal.SIGKILL \
+        else 128 + signum
+
+
+@pytest.mark.timeout(60)
+def test_worker_failing_twice_shrinks_the_group_to_min_workers(capsys):
+    code = launch_lib.main(["-n", "3", "--min-workers", "2",
+                            "--max-restarts", "2", "--start-timeout", "0",
+                            "--grace-period", "1", "--", *TOY,
+                            "always-fail", "2"])
+    out, err = capsys.readouterr()
+    assert code == 0, err
+    assert err.count("worker 2 exited with code 7") == 2
+    assert ("[launcher] worker 2 failed in two attempts in a row; "
+            "continuing with 2 worker(s) (--min-workers 2).") in err
+    assert "attempt 3 of 3: starting 2 worker(s)" in err
+    assert sorted(re.findall(r"\[worker \d\] size 2", out)) == [
+        "[worker 0] size 2", "[worker 1] size 2"]
+
+
+def test_next_size_shrinks_only_for_a_repeated_failure():
+    assert launch_lib._next_size(3, 2, None, 2) == 3
+    assert launch_lib._next_size(3, 2, 1, 2) == 3
+    assert launch_lib._next_size(3, 2, 2, 2) == 2
+    assert launch_lib._next_size(2, 1, 1, 2) == 2
+    assert launch_lib._next_size(3, 2, 2, None) == 3
+
+
+def test_group_shrinks_then_grows_back_after_a_preemption(monkeypatch):
+    results = iter([
+        (7, True, 2),  # worker 2 fails
+        (7, True, 2),  # ... again: drop one worker
+        (launch_lib.PREEMPTED_EXIT_CODE, True, None),  # grow back
+        (0, False, None),
+    ])
+    sizes = []
+
+    def attempt(command, addresses, tasks, *args):
+        sizes.append(len(tasks))
+        return next(results)
+
+    monkeypatch.setattr(launch_lib, "_run_attempt", attempt)
+    code = launch_lib.launch(["python", "x.py"], 3, max_restarts=2,
+                             min_workers=2)
+    assert (code, sizes) == (0, [3, 3, 2, 3])

@@ -17,6 +17,10 @@ chief writes (atomically: a temporary file renamed into place); every
 worker reads the same file on resume, so with workers on several hosts the
 directory must be on a shared file system. The backup is deleted when
 `fit` completes (unless `delete_on_train_end=False`).
+
+Preemption: while it is in `fit`, SIGTERM to any worker stops every worker
+after the same step, with the backup written there, and exits with code 75
+for a restart (see `keras_mirror._preemption`).
 """
 
 import os
@@ -24,6 +28,8 @@ import os
 import keras
 import numpy as np
 import tensorflow as tf
+
+from keras_mirror import _preemption
 
 _FILE = "step_backup.npz"
 
@@ -111,6 +117,9 @@ class StepBackup(keras.callbacks.Callback):
 
     # -- callback ----------------------------------------------------------
 
+    def on_train_begin(self, logs=None):
+        self._preemption = _preemption.Watch()  # SIGTERM: see _preemption
+
     def on_epoch_begin(self, epoch, logs=None):
         self._epoch = epoch
 
@@ -118,12 +127,16 @@ class StepBackup(keras.callbacks.Callback):
         iterations = int(self.model.optimizer.iterations.numpy())
         if iterations % self.every_n_steps == 0:
             self.save(self._epoch, self._offset + batch + 1)
+        _preemption.after_step(self, getattr(self, "_preemption", None),
+                               self._epoch, self._offset + batch + 1)
 
     def on_epoch_end(self, epoch, logs=None):
         self._offset = 0
         self.save(epoch + 1, 0)
 
     def on_train_end(self, logs=None):
+        if getattr(self, "_preemption", None) is not None:
+            self._preemption.close()
         if self._partial or not self.delete_on_train_end:
             return
         if self._is_chief() and os.path.exists(self.path):

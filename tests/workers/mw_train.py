@@ -10,7 +10,10 @@ workers all-gather instead of summing) and
 writes `OUT_DIR/weights_<task index>.npz` (the final weights, plus
 `iterations`) and `OUT_DIR/info_<task index>.json`. With `--kill-at-step S`
 the worker SIGKILLs itself after global step S, on launcher attempt 0 only
-(`KERAS_MIRROR_RESTART`).
+(`KERAS_MIRROR_RESTART`), or on every attempt with `--kill-always` (once
+past step S), when its task index is `--kill-worker` (default 1). With
+`--sigterm-at-step S`, worker 1 sends itself SIGTERM (a preemption) after
+step S on attempt 0.
 """
 
 import argparse
@@ -23,6 +26,11 @@ import time
 
 START = time.monotonic()
 os.environ.setdefault("TF_CPP_MIN_LOG_LEVEL", "2")
+if __name__ == "__main__":  # not when a test imports model() and data()
+    # `import keras_mirror` sets a worker up with this many logical CPUs.
+    os.environ["KERAS_MIRROR_CPUS_PER_WORKER"] = sys.argv[
+        sys.argv.index("--local-cpus") + 1] \
+        if "--local-cpus" in sys.argv else "2"
 
 import keras_mirror  # noqa: E402
 
@@ -73,6 +81,11 @@ def main():
     parser.add_argument("--epochs", type=int, default=2)
     parser.add_argument("--backup")
     parser.add_argument("--kill-at-step", type=int)
+    parser.add_argument("--sigterm-at-step", type=int)
+    parser.add_argument("--worker-input", default="replicate")
+    parser.add_argument("--backup-every", type=int, default=1)
+    parser.add_argument("--kill-worker", type=int, default=1)
+    parser.add_argument("--kill-always", action="store_true")
     parser.add_argument("--local-cpus", type=int, default=2)
     parser.add_argument("--model", choices=KINDS, default="dense")
     args = parser.parse_args()
@@ -84,7 +97,8 @@ def main():
     out = pathlib.Path(args.out_dir)
     attempt = int(os.environ.get("KERAS_MIRROR_RESTART", "0"))
     mirrored = keras_mirror.MirroredModel(model(args.model), devices=cpus,
-                                          timeout_seconds=60)
+                                          timeout_seconds=60,
+                                          worker_input=args.worker_input)
     task = keras_mirror.cluster.cluster_from_env()
     index = 0 if task is None else task.task_index
     mirrored.compile(optimizer=optimizer(), loss="mse")
@@ -95,15 +109,21 @@ def main():
         def on_train_batch_end(self, batch, logs=None):
             step = int(self.model.optimizer.iterations.numpy())
             times.setdefault("first_step", time.monotonic() - START)
-            if args.kill_at_step is not None and attempt == 0 and \
-                    step == args.kill_at_step and index == 1:
+            first = attempt == 0 or args.kill_always
+            if args.kill_at_step is not None and first and \
+                    step >= args.kill_at_step and index == args.kill_worker:
                 print(f"killing myself after step {step}", flush=True)
                 os.kill(os.getpid(), signal.SIGKILL)
+            if args.sigterm_at_step is not None and attempt == 0 and \
+                    step == args.sigterm_at_step and index == 1:
+                print(f"SIGTERM to myself after step {step}", flush=True)
+                os.kill(os.getpid(), signal.SIGTERM)
 
     callbacks = []
     if args.backup:
         from keras_mirror.callbacks.step_backup import StepBackup
-        callbacks.append(StepBackup(args.backup, every_n_steps=1))
+        callbacks.append(StepBackup(args.backup,
+                                    every_n_steps=args.backup_every))
     callbacks.append(Probe())
     x, y = data(args.model)
     history = mirrored.fit(x, y, batch_size=BATCH, epochs=args.epochs,

@@ -10,6 +10,9 @@ Modes:
   SIGTERM and sleep.
 - `fail-first`: worker 1 exits with 5 on attempt 0; every worker exits 0 on
   later attempts.
+- `always-fail INDEX`: worker INDEX exits with 7 on every attempt; the
+  others print `size N` (the number of workers) and exit 0 once the group
+  no longer has an index INDEX, else sleep.
 - `ready-only INDEX`: only worker INDEX marks itself ready; all sleep.
 - `sleep`: marks itself ready and sleeps.
 
@@ -47,6 +50,14 @@ def main(mode, *args):
         print(f"task index {index} of {config['cluster']['worker']}")
         print(f"hello from stderr {index}", file=sys.stderr)
         return 0
+    if mode == "always-fail":
+        size = len(config["cluster"]["worker"])
+        if index == int(args[0]):
+            time.sleep(0.3)
+            return 7
+        if size <= int(args[0]):
+            print(f"size {size}")
+            return 0
     if mode == "fail-first":
         print(f"attempt {attempt}")
         return 5 if attempt == 0 and index == 1 else 0

@@ -1,0 +1,131 @@
+"""`worker_input="shard"`: each worker reads only its rows of the input.
+
+With `worker_input="replicate"` every worker reads every global batch and
+keeps its replicas' rows. With `"shard"`, `fit` given arrays (NumPy
+arrays, memory-mapped `.npy` files included) makes each worker read only
+the rows its own replicas train on: for global batch `k` (rows
+`[k*B, k*B + b_k)`), the split plan `split_plan(b_k)` gives the replicas
+of worker `w` one contiguous segment, and worker `w` reads exactly that
+segment. Inside the step the workers' segments are all-gathered, in worker
+order, into the global batch, so the step, the split plan and exactness
+are those of `"replicate"`: each worker reads 1/W of the data (its I/O and
+preprocessing), while the batch itself still crosses the network once per
+step. Each worker prints the rows it read per epoch.
+
+Supported: `batch="global"`, arrays, `shuffle=False` (the order must be
+the same on every worker and on a resumed run), no `validation_split`
+(pass `validation_data`, which every worker reads whole). Evaluation and
+prediction read their input whole.
+"""
+
+import math
+import sys
+
+import tensorflow as tf
+
+from keras_mirror import _inputs
+from keras_mirror import split
+
+_MARK = "keras_mirror_worker_rows"
+
+
+def _refuse(problem, received):
+    raise ValueError(
+        f"`worker_input='shard'` {problem} Received: {received}")
+
+
+def _check(mirrored, x, y, kwargs):
+    if mirrored.batch_mode != "global":
+        _refuse("needs `batch='global'`.",
+                f"batch={mirrored.batch_mode!r}")
+    if not _inputs.is_array(x):
+        _refuse("reads rows of arrays (NumPy arrays or memory-mapped "
+                "`.npy` files): pass `x` and `y` as arrays; a "
+                "`tf.data.Dataset` is read whole by every worker with "
+                "`worker_input='replicate'`.", f"x={type(x).__name__}")
+    if kwargs.get("shuffle", True):
+        _refuse("needs `shuffle=False`: every worker must see the rows in "
+                "the same order.", f"shuffle={kwargs.get('shuffle', True)}")
+    if kwargs.get("validation_split"):
+        _refuse("does not support `validation_split`; pass "
+                "`validation_data`.",
+                f"validation_split={kwargs['validation_split']}")
+
+
+def segments(mirrored, rows, batch_size):
+    """`(start, stop)` of this worker's rows in each global batch."""
+    first = mirrored.local_replica_ids[0]
+    n_local = len(mirrored.local_replica_ids)
+    out = []
+    for k in range(math.ceil(rows / batch_size)):
+        size = min(batch_size, rows - k * batch_size)
+        plan = split.balanced_sizes(size, mirrored.num_replicas)
+        start = k * batch_size + sum(plan[:first])
+        out.append((start, start + sum(plan[first:first + n_local])))
+    return out
+
+
+def shard_fit_input(mirrored, x, y, batch_size, kwargs):
+    """`fit`'s `(x, y, batch_size, kwargs)`, sharded between workers.
+
+    Unchanged unless `worker_input="shard"` on a cluster; else a dataset
+    of this worker's rows of each global batch (see the module docstring).
+    """
+    if mirrored.worker_input != "shard" or mirrored.num_workers < 2:
+        return x, y, batch_size, kwargs
+    _check(mirrored, x, y, kwargs)
+    kwargs = dict(kwargs)
+    sw = kwargs.pop("sample_weight", None)
+    kwargs.pop("shuffle", None)
+    parts = tuple(p for p in (x, y, sw) if p is not None)
+    rows = _inputs.num_rows(x)
+    batch_size = batch_size or 32
+    bounds = segments(mirrored, rows, batch_size)
+    position = mirrored.local_replica_ids[0] // len(mirrored.devices)
+    counter = {"epoch": 0}
+
+    def read():
+        counter["epoch"] += 1
+        read_rows = 0
+        for start, stop in bounds:
+            read_rows += stop - start
+            yield tf.nest.map_structure(lambda t: t[start:stop], parts)
+        print(f"keras-mirror: worker {position} read {read_rows} of {rows} "
+              f"rows (epoch {counter['epoch']}, worker_input='shard').",
+              file=sys.stderr, flush=True)
+
+    signature = tf.nest.map_structure(
+        lambda t: tf.TensorSpec((None,) + tuple(t.shape[1:]),
+                                tf.as_dtype(t.dtype)), parts)
+    dataset = tf.data.Dataset.from_generator(read, output_signature=signature)
+    dataset = dataset.map(lambda *p: {_MARK: p})
+    dataset = dataset.apply(tf.data.experimental.assert_cardinality(
+        len(bounds)))
+    return dataset, None, None, kwargs
+
+
+def assemble(mirrored, data):
+    """The global batch from every worker's rows (a no-op otherwise).
+
+    Runs in the training step: this worker's rows go to its first local
+    replica (the others hold none) and the strategy's all-gather
+    concatenates every replica's rows in global replica order, which is
+    worker order: the global batch, as every worker would have read it.
+    """
+    if not isinstance(data, dict) or set(data) != {_MARK}:
+        return data
+    strategy = mirrored.strategy
+    first = mirrored.local_replica_ids[0]
+
+    def local(ctx):
+        keep = tf.cast(tf.equal(ctx.replica_id_in_sync_group, first),
+                       tf.int32)
+        return tf.nest.map_structure(
+            lambda t: t[:tf.shape(t)[0] * keep], data[_MARK])
+
+    per_replica = strategy.experimental_distribute_values_from_function(
+        local)
+    with strategy.scope():
+        gathered = tf.nest.map_structure(
+            lambda v: strategy.gather(v, axis=0), per_replica)
+    return tuple(gathered)
