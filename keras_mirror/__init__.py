@@ -35,13 +35,31 @@ __all__ = sorted([*_EXPORTS, "ReplicaContext", "__version__", "errors",
                   "replica_context"])
 
 
+_NO_TENSORFLOW = (
+    "keras-mirror needs TensorFlow, which is not installed. Install one "
+    "flavour: `pip install \"keras-mirror[tensorflow]\"` (or "
+    "`[tensorflow-cpu]`; `[and-cuda]` for NVIDIA GPUs). Received: "
+    "import tensorflow failed ({error})")
+
+
+def _import(module):
+    try:
+        return importlib.import_module(module)
+    except ModuleNotFoundError as e:
+        if e.name != "tensorflow" and not str(e.name).startswith(
+                "tensorflow."):
+            raise
+        raise ModuleNotFoundError(_NO_TENSORFLOW.format(error=e),
+                                  name=e.name) from e
+
+
 def __getattr__(name):
     if name in _EXPORTS:
-        value = getattr(importlib.import_module(_EXPORTS[name]), name)
+        value = getattr(_import(_EXPORTS[name]), name)
         globals()[name] = value
         return value
     if name in _SUBMODULES:  # `keras_mirror.cluster.parse_cluster(...)`
-        return importlib.import_module(f"keras_mirror.{name}")
+        return _import(f"keras_mirror.{name}")
     raise AttributeError(f"module 'keras_mirror' has no attribute {name!r}")
 
 
