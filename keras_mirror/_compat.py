@@ -68,6 +68,28 @@ def check_backend():
         )
 
 
+def _missing(what, purpose):
+    """The error for a private Keras name that a release no longer has."""
+    return RuntimeError(
+        f"This Keras release ({keras.__version__}) has no `{what}`; "
+        f"keras-mirror cannot {purpose}. Install a supported Keras (see "
+        "keras_mirror._compat).")
+
+
+def _require(owner, names, label, purpose):
+    """Raises `_missing` unless `owner` has every attribute in `names`."""
+    for name in names:
+        if not hasattr(owner, name):
+            raise _missing(f"{label}.{name}", purpose)
+
+
+def _replace_method(obj, name, make_hook, purpose):
+    """Sets `obj.<name>` to `make_hook(<the class's bound method>)`."""
+    _require(obj, (name,), type(obj).__name__, purpose)
+    original = getattr(type(obj), name).__get__(obj)
+    setattr(obj, name, make_hook(original))
+
+
 def _identity_allreduce(grads_and_vars):
     return list(grads_and_vars)
 
@@ -112,12 +134,8 @@ def unscaled_losses():
     module = _loss_module()
     saved = {}
     for name in _LOSS_SCALERS:
-        if not hasattr(module, name):
-            raise RuntimeError(
-                f"This Keras release ({keras.__version__}) has no "
-                f"`{_LOSS_MODULE}.{name}`; keras-mirror cannot run a custom "
-                "`train_step` per replica exactly. Install a supported Keras "
-                "(see keras_mirror._compat).")
+        _require(module, (name,), _LOSS_MODULE,
+                 "compute a replica's own loss exactly")
         saved[name] = getattr(module, name)
     try:
         for name in _LOSS_SCALERS:
@@ -139,14 +157,8 @@ def replace_optimizer_allreduce(optimizer, make_hook):
     for opt in (optimizer, getattr(optimizer, "inner_optimizer", None)):
         if opt is None:
             continue
-        if not hasattr(opt, _ALLREDUCE_HOOK):
-            raise RuntimeError(
-                f"This Keras release ({keras.__version__}) has no "
-                f"`{type(opt).__name__}.{_ALLREDUCE_HOOK}`; keras-mirror "
-                "cannot replace the optimizer's own gradient all-reduce. "
-                "Install a supported Keras (see keras_mirror._compat).")
-        original = getattr(type(opt), _ALLREDUCE_HOOK).__get__(opt)
-        setattr(opt, _ALLREDUCE_HOOK, make_hook(original))
+        _replace_method(opt, _ALLREDUCE_HOOK, make_hook,
+                        "replace the optimizer's own gradient all-reduce")
 
 
 # An optimizer clips (`clipnorm`, `global_clipnorm`, `clipvalue`) in
@@ -158,14 +170,8 @@ _CLIP_HOOK = "_clip_gradients"
 
 def replace_optimizer_clip(optimizer, make_hook):
     """Replaces `optimizer._clip_gradients` by `make_hook(original)`."""
-    if not hasattr(optimizer, _CLIP_HOOK):
-        raise RuntimeError(
-            f"This Keras release ({keras.__version__}) has no "
-            f"`{type(optimizer).__name__}.{_CLIP_HOOK}`; keras-mirror cannot "
-            "all-reduce gradients before clipping. Install a supported Keras "
-            "(see keras_mirror._compat).")
-    original = getattr(type(optimizer), _CLIP_HOOK).__get__(optimizer)
-    setattr(optimizer, _CLIP_HOOK, make_hook(original))
+    _replace_method(optimizer, _CLIP_HOOK, make_hook,
+                    "all-reduce gradients before clipping")
 
 
 def symbolic_build(model, data_batch):
@@ -189,13 +195,8 @@ def _masking():
     import importlib
 
     module = importlib.import_module(_MASK_MODULE)
-    for name in ("get_keras_mask", "set_keras_mask"):
-        if not hasattr(module, name):
-            raise RuntimeError(
-                f"This Keras release ({keras.__version__}) has no "
-                f"`{_MASK_MODULE}.{name}`; keras-mirror cannot weight masked "
-                "losses exactly. Install a supported Keras (see "
-                "keras_mirror._compat).")
+    _require(module, ("get_keras_mask", "set_keras_mask"), _MASK_MODULE,
+             "weight masked losses exactly")
     return module
 
 
@@ -284,13 +285,8 @@ _VARIABLE_INITIALIZE = "_initialize"
 
 
 def _check_variable_api(variable):
-    for name in (_VARIABLE_BACKING, _VARIABLE_INITIALIZE):
-        if not hasattr(variable, name):
-            raise RuntimeError(
-                f"This Keras release ({keras.__version__}) has no "
-                f"`Variable.{name}`; keras-mirror cannot train the model's "
-                "own variables on a tf.distribute strategy. Install a "
-                "supported Keras (see keras_mirror._compat).")
+    _require(variable, (_VARIABLE_BACKING, _VARIABLE_INITIALIZE), "Variable",
+             "train the model's own variables on a tf.distribute strategy")
 
 
 def backing(variable):
@@ -338,13 +334,9 @@ def random_module():
     import importlib
 
     module = importlib.import_module(_RANDOM_MODULE)
-    for name in RANDOM_FUNCTIONS + ("_cast_seed", "draw_seed"):
-        if not hasattr(module, name):
-            raise RuntimeError(
-                f"This Keras release ({keras.__version__}) has no "
-                f"`{_RANDOM_MODULE}.{name}`; keras-mirror cannot make random "
-                "draws inside a replica equal one device's. Install a "
-                "supported Keras (see keras_mirror._compat).")
+    _require(module, RANDOM_FUNCTIONS + ("_cast_seed", "draw_seed"),
+             _RANDOM_MODULE,
+             "make random draws inside a replica equal one device's")
     return module
 
 
@@ -412,13 +404,9 @@ def rekey_optimizer(optimizer):
     for opt in (optimizer, getattr(optimizer, "inner_optimizer", None)):
         if opt is None or not getattr(opt, "built", False):
             continue
-        for name in (_OPT_INDICES, _OPT_VARIABLES, "_var_key"):
-            if not hasattr(opt, name):
-                raise RuntimeError(
-                    f"This Keras release ({keras.__version__}) has no "
-                    f"`{type(opt).__name__}.{name}`; keras-mirror cannot "
-                    "train the model's own optimizer on a strategy. Install "
-                    "a supported Keras (see keras_mirror._compat).")
+        _require(opt, (_OPT_INDICES, _OPT_VARIABLES, "_var_key"),
+                 type(opt).__name__,
+                 "train the model's own optimizer on a strategy")
         setattr(opt, _OPT_INDICES, {
             opt._var_key(v): i
             for i, v in enumerate(getattr(opt, _OPT_VARIABLES))})

@@ -182,7 +182,7 @@ def _split(data):
     return flat, present, tensors
 
 
-def _rebuild(data, flat, present, shard):
+def _with_shard(data, flat, present, shard):
     leaves = list(flat)
     for i, t in zip(present, shard):
         leaves[i] = t
@@ -199,7 +199,7 @@ def _run(mirrored, data, method):
     sources = {}
 
     def one_replica(shard, r):
-        shard_data = _rebuild(data, flat, present, shard)
+        shard_data = _with_shard(data, flat, present, shard)
         shard_rows = tf.shape(shard[0])[0]
         ctx = ReplicaContext(r, n, shard_rows, rows, distributed=True,
                              options=mirrored._comm_options,

@@ -29,6 +29,8 @@ keep each replica's own write, and the first replica's copy is the one that
 Keras reads, saves and checkpoints).
 """
 
+import contextlib
+
 import keras
 import tensorflow as tf
 
@@ -176,6 +178,44 @@ def _gather_slices(parts, wire, device):
     return tf.IndexedSlices(joined, indices, parts[0].dense_shape)
 
 
+class _Shard:
+    """One replica's forward pass: its rows, predictions, loss, tape."""
+
+    def __init__(self, device, rows, sw, tape, y_pred, loss, extras, mask):
+        self.device, self.rows, self.sw, self.tape = device, rows, sw, tape
+        self.y_pred, self.loss, self.extras = y_pred, loss, extras
+        self.mask = mask
+
+
+def _forward(mirrored, packed, present, rows, training, guard=None):
+    """Runs each replica's forward pass and loss on its device, in order.
+
+    With `training`, each pass is recorded on its own tape; `guard` (a
+    `_StateGuard`) gives each replica the same starting state.
+    """
+    inner = mirrored._inner
+    many = len(mirrored.devices) > 1
+    shards = []
+    with _scope.replica_scope(mirrored):
+        for r, (device, (shard, offset)) in enumerate(
+                zip(mirrored.devices, _shards(mirrored, packed, rows))):
+            xr, yr, swr = mirrored._unpack(shard, present)
+            with tf.device(device):
+                shard_rows = _steps._batch_size(xr)
+                tape = tf.GradientTape() if training else None
+                with (tape or contextlib.nullcontext()), _context(
+                        mirrored, r, shard_rows, rows, offset):
+                    y_pred = inner(xr, training=training)
+                    loss = _loss(mirrored, xr, yr, y_pred, swr, training)
+                    extras = list(inner.losses)
+            if guard is not None:
+                guard.after_replica(r)
+            shards.append(_Shard(
+                device, shard_rows, swr, tape, y_pred, loss, extras,
+                _steps.output_mask(y_pred) if many else None))
+    return shards
+
+
 def train_step(mirrored, data):
     x, y, sw = keras.utils.unpack_x_y_sample_weight(data)
     rows = _steps._batch_size(x)
@@ -190,42 +230,25 @@ def train_step(mirrored, data):
     # Forward passes first: a masked output's shares need every shard's
     # count of unmasked entries. Each replica's tape is entered again to
     # record its share of the loss.
-    tapes, shard_losses, preds, masks, parts, extras = [], [], [], [], [], []
-    with _scope.replica_scope(mirrored):
-        for r, (device, (shard, offset)) in enumerate(
-                zip(mirrored.devices, _shards(mirrored, packed, rows))):
-            xr, yr, swr = mirrored._unpack(shard, present)
-            with tf.device(device):
-                shard_rows = _steps._batch_size(xr)
-                tape = tf.GradientTape()
-                with tape, _context(mirrored, r, shard_rows, rows, offset):
-                    y_pred = inner(xr, training=True)
-                    shard_losses.append(_loss(mirrored, xr, yr, y_pred, swr,
-                                              True))
-                    extras.append(list(inner.losses))
-            guard.after_replica(r)
-            tapes.append(tape)
-            preds.append(y_pred)
-            masks.append(_steps.output_mask(y_pred) if n > 1 else None)
-            parts.append((device, shard_rows, swr))
-    counts, total = _shares(masks, [p[1] for p in parts], rows)
+    shards = _forward(mirrored, packed, present, rows, True, guard)
+    counts, total = _shares([s.mask for s in shards],
+                            [s.rows for s in shards], rows)
     grads, contributions, stats = [], [], []
-    for r, ((device, shard_rows, swr), tape, shard_loss) in enumerate(
-            zip(parts, tapes, shard_losses)):
-        with tf.device(device):
-            with tape:
+    for r, shard in enumerate(shards):
+        with tf.device(shard.device):
+            with shard.tape:
                 if n == 1:
-                    contribution = shard_loss  # the whole batch: share 1
+                    contribution = shard.loss  # the whole batch: share 1
                 else:
                     contribution = _contribution(
-                        mirrored, shard_loss, extras[r], counts[r], total,
+                        mirrored, shard.loss, shard.extras, counts[r], total,
                         r == 0)
                 scaled = optimizer.scale_loss(contribution)
-            g = tape.gradient(scaled, variables)
+            g = shard.tape.gradient(scaled, variables)
             if r > 0:  # replica 0 holds a row of every non-empty batch
-                g = _steps.zero_if_empty(g, shard_rows)
-            stats.append(_steps.compute_stats(keys, start, g, shard_loss,
-                                              shard_rows, swr))
+                g = _steps.zero_if_empty(g, shard.rows)
+            stats.append(_steps.compute_stats(keys, start, g, shard.loss,
+                                              shard.rows, shard.sw))
         grads.append(g)
         contributions.append(contribution)
     guard.finish()
@@ -246,7 +269,8 @@ def train_step(mirrored, data):
             nonfinite = tf.add_n([s["replica_nonfinite"] for s in stats])
             tf.cond(tf.equal(nonfinite, 0),
                     apply, lambda: tf.constant(False))
-        y_pred = _concat(preds, masks)
+        y_pred = _concat([s.y_pred for s in shards],
+                         [s.mask for s in shards])
         logs = mirrored._track(x, y, y_pred, sw, loss, rows)
         if packed_stats is not None:
             logs[_replica_logs.PACKED] = packed_stats
@@ -257,32 +281,17 @@ def test_step(mirrored, data):
     x, y, sw = keras.utils.unpack_x_y_sample_weight(data)
     rows = _steps._batch_size(x)
     packed, present = mirrored._pack(x, y, sw)
-    inner = mirrored._inner
-    preds, shard_losses, masks, shard_rows, extras = [], [], [], [], []
-    with _scope.replica_scope(mirrored):
-        for r, (device, (shard, offset)) in enumerate(
-                zip(mirrored.devices, _shards(mirrored, packed, rows))):
-            xr, yr, swr = mirrored._unpack(shard, present)
-            rows_r = _steps._batch_size(xr)
-            with tf.device(device), _context(mirrored, r, rows_r, rows,
-                                             offset):
-                y_pred = inner(xr, training=False)
-                shard_losses.append(_loss(mirrored, xr, yr, y_pred, swr,
-                                          False))
-                extras.append(list(inner.losses))
-                shard_rows.append(rows_r)
-            preds.append(y_pred)
-            masks.append(_steps.output_mask(y_pred)
-                         if len(mirrored.devices) > 1 else None)
-    counts, total = _shares(masks, shard_rows, rows)
+    shards = _forward(mirrored, packed, present, rows, False)
+    counts, total = _shares([s.mask for s in shards],
+                            [s.rows for s in shards], rows)
     contributions = []
-    for r, (device, shard_loss) in enumerate(
-            zip(mirrored.devices, shard_losses)):
-        with tf.device(device):
+    for r, shard in enumerate(shards):
+        with tf.device(shard.device):
             contributions.append(_contribution(
-                mirrored, shard_loss, extras[r], counts[r], total, r == 0))
+                mirrored, shard.loss, shard.extras, counts[r], total, r == 0))
     with tf.device(mirrored.devices[0]):
-        y_pred = _concat(preds, masks)
+        y_pred = _concat([s.y_pred for s in shards],
+                         [s.mask for s in shards])
         return mirrored._track(x, y, y_pred, sw, tf.add_n(contributions),
                                rows)
 

@@ -234,3 +234,13 @@ def test_other_backend_is_refused_at_construction(monkeypatch):
         "`tf.distribute`). Set `KERAS_BACKEND=tensorflow` (or "
         '`"backend": "tensorflow"` in ~/.keras/keras.json) before importing '
         "Keras. Received: keras.backend.backend()='jax'")
+
+
+def test_a_missing_private_name_fails_loudly_by_name():
+    with pytest.raises(RuntimeError, match=r"has no `Variable\._value`; "
+                       r"keras-mirror cannot move it\. Install a supported "
+                       r"Keras"):
+        _compat._require(object(), ("_value",), "Variable", "move it")
+    opt = keras.optimizers.SGD()
+    with pytest.raises(RuntimeError, match=r"SGD\._no_such_hook"):
+        _compat._replace_method(opt, "_no_such_hook", lambda f: f, "hook")

@@ -15,9 +15,7 @@ import sys
 import pytest
 from test_multi_worker import WORKER
 from test_multi_worker import _no_leftover_processes  # noqa: F401
-from test_multi_worker import load
-from test_multi_worker import max_diff
-from test_multi_worker import single_device_weights
+from test_multi_worker import assert_equal_single_device
 
 from keras_mirror import launch as launch_lib
 
@@ -45,11 +43,6 @@ def test_group_shrinks_after_a_worker_dies_for_good_and_stays_exact(
     # (the one restart of margin).
     assert [i["num_workers"] for i in infos] == [2, 2]
     assert infos[0]["attempt"] == infos[1]["attempt"] >= 2
-    w0, it0 = load(tmp_path, 0)
-    w1, it1 = load(tmp_path, 1)
-    ref, ref_it = single_device_weights(2)
-    assert it0 == it1 == ref_it == 12
-    assert max_diff(w0, w1) == 0.0
-    assert max_diff(w0, ref) < 1e-5
+    gap = assert_equal_single_device(tmp_path)
     print(f"3 -> 3 -> 2 workers: max |w - w_single| = "
-          f"{max_diff(w0, ref):.3g}")
+          f"{gap:.3g}")

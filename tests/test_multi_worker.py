@@ -57,6 +57,18 @@ def load(out, index):
 def max_diff(a, b):
     return max(float(np.max(np.abs(u - v))) for u, v in zip(a, b))
 
+def assert_equal_single_device(out, epochs=2, steps=12, kind="dense"):
+    """Both workers end on the same weights as one device; returns the gap.
+    """
+    w0, it0 = load(out, 0)
+    w1, it1 = load(out, 1)
+    ref, ref_it = single_device_weights(epochs, kind)
+    assert it0 == it1 == ref_it == steps
+    assert max_diff(w0, w1) == 0.0
+    gap = max_diff(w0, ref)
+    assert gap < 1e-5
+    return gap
+
 
 def run_workers(out, *args, max_restarts=0):
     return launch_lib.launch(
@@ -72,12 +84,7 @@ def test_two_workers_train_like_one_device(tmp_path, capsys):
     assert code == 0, out + err
     assert "multi-worker: 2 workers x 2 replicas; input: every worker " \
         "reads the full global batch and keeps its replicas' rows" in err
-    w0, it0 = load(tmp_path, 0)
-    w1, it1 = load(tmp_path, 1)
-    ref, ref_it = single_device_weights(2)
-    assert it0 == it1 == ref_it == 12
-    assert max_diff(w0, w1) == 0.0
-    assert max_diff(w0, ref) < 1e-5
+    gap = assert_equal_single_device(tmp_path)
     info = [json.loads((tmp_path / f"info_{i}.json").read_text())
             for i in (0, 1)]
     assert [i["is_chief"] for i in info] == [True, False]
@@ -89,7 +96,7 @@ def test_two_workers_train_like_one_device(tmp_path, capsys):
     assert info[1]["replica_samples"] == [[12, 11, 11, 11]] * 2
     # Only the chief saved.
     assert (tmp_path / "final.weights.h5").exists()
-    print(f"max |w_worker - w_single| = {max_diff(w0, ref):.3g}; "
+    print(f"max |w_worker - w_single| = {gap:.3g}; "
           f"first step after {info[0]['seconds_to_first_step']:.1f} s")
 
 
@@ -102,9 +109,5 @@ def test_sparse_embedding_gradients_are_gathered_across_workers(
     code = run_workers(tmp_path, "--epochs", "1", "--model", "embedding")
     out, err = capsys.readouterr()
     assert code == 0, out + err
-    w0, it0 = load(tmp_path, 0)
-    w1, it1 = load(tmp_path, 1)
-    ref, ref_it = single_device_weights(1, "embedding")
-    assert it0 == it1 == ref_it == 6
-    assert max_diff(w0, w1) == 0.0
-    assert max_diff(w0, ref) < 1e-5
+    assert_equal_single_device(tmp_path, epochs=1, steps=6,
+                               kind="embedding")

@@ -13,9 +13,7 @@ import sys
 import pytest
 from test_multi_worker import WORKER
 from test_multi_worker import _no_leftover_processes  # noqa: F401
-from test_multi_worker import load
-from test_multi_worker import max_diff
-from test_multi_worker import single_device_weights
+from test_multi_worker import assert_equal_single_device
 
 from keras_mirror import launch as launch_lib
 
@@ -38,14 +36,9 @@ def test_sigterm_to_one_worker_stops_all_after_one_step_and_resumes(
     assert "was preempted (exit code 75" in err
     assert "restarting all workers after the preemption" in err
     assert "StepBackup resumes at epoch 1, step 0 (optimizer step 6)" in out
-    w0, it0 = load(tmp_path, 0)
-    w1, it1 = load(tmp_path, 1)
-    ref, ref_it = single_device_weights(2)
-    assert it0 == it1 == ref_it == 12
-    assert max_diff(w0, w1) == 0.0
-    assert max_diff(w0, ref) < 1e-5
+    gap = assert_equal_single_device(tmp_path)
     print(f"after SIGTERM + restart: max |w - w_single| = "
-          f"{max_diff(w0, ref):.3g}")
+          f"{gap:.3g}")
 
 
 def test_watch_catches_one_sigterm_and_restores_the_handler():

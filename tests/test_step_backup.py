@@ -12,8 +12,7 @@ from helpers import max_diff
 from helpers import mlp
 from test_multi_worker import WORKER
 from test_multi_worker import _no_leftover_processes  # noqa: F401
-from test_multi_worker import load
-from test_multi_worker import single_device_weights
+from test_multi_worker import assert_equal_single_device
 
 import keras_mirror
 from keras_mirror import launch as launch_lib
@@ -87,14 +86,9 @@ def test_sigkilled_worker_resumes_to_uninterrupted_weights(tmp_path, capsys):
     assert code == 0, out + err
     assert "killing myself after step 8" in out
     assert "StepBackup resumes at epoch 1, step" in out
-    w0, it0 = load(tmp_path, 0)
-    w1, it1 = load(tmp_path, 1)
-    ref, ref_it = single_device_weights(2)
-    assert it0 == it1 == ref_it == 12
-    assert max_diff(w0, w1) == 0.0
-    assert max_diff(w0, ref) < 1e-5
+    gap = assert_equal_single_device(tmp_path)
     infos = [json.loads((tmp_path / f"info_{i}.json").read_text())
              for i in (0, 1)]
     assert [i["attempt"] for i in infos] == [1, 1]
     print(f"after SIGKILL + restart: max |w - w_single| = "
-          f"{max_diff(w0, ref):.3g}")
+          f"{gap:.3g}")

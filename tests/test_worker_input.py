@@ -15,9 +15,7 @@ import numpy as np
 import pytest
 from test_multi_worker import WORKER
 from test_multi_worker import _no_leftover_processes  # noqa: F401
-from test_multi_worker import load
-from test_multi_worker import max_diff
-from test_multi_worker import single_device_weights
+from test_multi_worker import assert_equal_single_device
 
 from keras_mirror import _worker_input
 from keras_mirror import launch as launch_lib
@@ -38,14 +36,9 @@ def test_each_worker_reads_its_rows_and_trains_like_one_device(
                       r"(\d+) of 45 rows \(epoch (\d)", err)
     assert sorted(read) == [("0", "0", "23", "1"), ("0", "0", "23", "2"),
                             ("1", "1", "22", "1"), ("1", "1", "22", "2")]
-    w0, it0 = load(tmp_path, 0)
-    w1, it1 = load(tmp_path, 1)
-    ref, ref_it = single_device_weights(2)
-    assert it0 == it1 == ref_it == 12
-    assert max_diff(w0, w1) == 0.0
-    assert max_diff(w0, ref) < 1e-5
+    gap = assert_equal_single_device(tmp_path)
     print("rows read per worker per epoch: 23 + 22 of 45; "
-          f"max |w - w_single| = {max_diff(w0, ref):.3g}")
+          f"max |w - w_single| = {gap:.3g}")
 
 
 def _worker(position, workers=2, n_local=2):
