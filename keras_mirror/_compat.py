@@ -326,7 +326,8 @@ def new_backing(variable, value):
 # numbers. The names replaced are checked here.
 _RANDOM_MODULE = "keras.src.backend.tensorflow.random"
 RANDOM_FUNCTIONS = ("normal", "uniform", "truncated_normal", "randint",
-                    "dropout", "gamma", "binomial", "beta")
+                    "dropout", "gamma", "binomial", "beta", "categorical",
+                    "shuffle")
 
 
 def random_module():

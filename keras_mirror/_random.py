@@ -20,9 +20,12 @@ batch, with the same seed, and this replica keeps its own rows:
 
 Each draw advances the seed generator once, as on one device, so the
 generator's state after a step is one device's too. `keras.random.categorical`
-is exact through the same rule applied to its logits' rows; stateful TF ops
-(`tf.random.normal` without a seed generator) and `keras.random.shuffle` of
-a shard are not (see README, "What is not exact").
+of a shard's logits is exact too: each row's samples depend on the seed, the
+row's index and its logits only, so the shard's logits are placed at their
+rows of a global batch. Not exact (see README, "What is not exact"):
+`keras.random.shuffle` of a shard (one device's permutation crosses the
+shards; each replica gets its own), and stateful TF ops (`tf.random.normal`
+without a seed generator), which draw per replica.
 """
 
 import contextlib
@@ -151,9 +154,47 @@ def _replacements(module):
         return tf.where(uniform >= rate, inputs * scale,
                         tf.zeros((), inputs.dtype))
 
+    def categorical(logits, num_samples, dtype="int64", seed=None):
+        ctx = _context()
+        if ctx is None:
+            return originals["categorical"](logits, num_samples, dtype=dtype,
+                                            seed=seed)
+        # Each row's samples depend on the seed, its row index and its own
+        # logits only: the shard's logits, placed at its rows of a global
+        # batch of logits, sample one device's numbers.
+        drawn = _Drawn(originals["draw_seed"](seed))
+        logits = tf.convert_to_tensor(logits)
+        b = tf.cast(ctx.shard_size, tf.int32)
+        big_b = tf.cast(ctx.global_batch_size, tf.int32)
+        offset = tf.cast(ctx.offset, tf.int32)
+
+        def draw(value):
+            return originals["categorical"](value, num_samples, dtype=dtype,
+                                            seed=drawn)
+
+        def global_rows():
+            padded = tf.pad(logits, [[offset, big_b - offset - b], [0, 0]])
+            return draw(padded)[offset:offset + b]
+
+        if logits.shape.rank != 2:
+            return draw(logits)
+        return tf.cond(tf.equal(tf.shape(logits)[0], b), global_rows,
+                       lambda: draw(logits))
+
+    def shuffle(x, axis=0, seed=None):
+        ctx = _context()
+        seed = originals["draw_seed"](seed)
+        if ctx is not None:
+            # Not one device's permutation (that one crosses the shards),
+            # but a different one on every replica.
+            seed = seed + tf.cast(tf.stack([0, ctx.replica_id]), seed.dtype)
+        return originals["shuffle"](x, axis=axis, seed=_Drawn(seed))
+
     replacements = {name: shaped(name) for name in _compat.RANDOM_FUNCTIONS
-                    if name != "dropout"}
+                    if name not in ("dropout", "categorical", "shuffle")}
     replacements["dropout"] = dropout
+    replacements["categorical"] = categorical
+    replacements["shuffle"] = shuffle
     replacements["draw_seed"] = draw_seed
     return replacements
 

@@ -36,7 +36,10 @@ class Draws(keras.Model):
         mask = keras.random.dropout(ops.ones((b, 4)), 0.5, seed=seed)
         ints = keras.random.randint((b, 2), 0, 100, seed=seed)
         trunc = keras.random.truncated_normal(ops.shape(x), seed=seed)
+        logits = ops.concatenate([x, -x, x * 2.0], axis=1)
+        picks = keras.random.categorical(logits, 4, seed=seed)
         return {
+            "picks": ops.cast(picks, "float32"),
             "z": z,
             "blocks": ops.transpose(ops.reshape(blocks, (2, b))),
             "fixed": ops.broadcast_to(fixed, (b, 5)),
@@ -92,3 +95,30 @@ def test_dropout_model_trains_as_on_one_device(execution, cpus):
     for a, b in zip(single.variables, model.variables):
         if "seed" in a.path:
             np.testing.assert_array_equal(b.numpy(), a.numpy())
+
+
+@pytest.mark.parametrize("execution", ["in_graph", "strategy"])
+def test_shuffle_of_a_shard_differs_per_replica(execution, cpus):
+    class Shuffles(keras.Model):
+        def __init__(self):
+            super().__init__()
+            self.seed_generator = keras.random.SeedGenerator(9)
+            self.dense = layers.Dense(1)
+
+        def call(self, x):
+            return self.dense(x)
+
+        def predict_step(self, data):
+            x = data[0] if isinstance(data, tuple) else data
+            b = ops.shape(x)[0]
+            order = ops.cast(ops.arange(b), "float32")
+            return keras.random.shuffle(order, seed=self.seed_generator)
+
+    model = Shuffles()
+    x = np.zeros((40, 2), "float32")
+    model(x[:1])
+    mirrored = keras_mirror.MirroredModel(model, execution=execution)
+    perms = mirrored.predict(x, batch_size=40, verbose=0).reshape(4, 10)
+    for perm in perms:
+        assert sorted(perm.tolist()) == list(range(10))
+    assert len({tuple(p) for p in perms.tolist()}) == 4
