@@ -13,9 +13,9 @@ import keras
 import tensorflow as tf
 
 from keras_mirror import _compat
-from keras_mirror import _custom_step
 from keras_mirror import _homes
-from keras_mirror import _reductions
+from keras_mirror.steps import _reductions
+from keras_mirror.steps import own_step as _custom_step
 
 EXACT_REDUCTIONS = ("sum_over_batch_size", "mean")
 

@@ -41,13 +41,13 @@ import keras
 import tensorflow as tf
 
 from keras_mirror import _compat
-from keras_mirror import _metric_weights
-from keras_mirror import _scope
 from keras_mirror import allreduce
 from keras_mirror import split
 from keras_mirror.replica_context import ReplicaContext
 from keras_mirror.replica_context import activate
 from keras_mirror.replica_context import active
+from keras_mirror.steps import _metric_weights
+from keras_mirror.steps import _scope
 
 PREFIX = "replica_"
 
@@ -214,7 +214,7 @@ def _run(mirrored, data, method):
         return _vectors(out, method, sources), samples
 
     if mirrored.execution == "in_graph":
-        from keras_mirror import _graph_steps
+        from keras_mirror.steps import in_graph as _graph_steps
 
         outs = []
         # Every replica starts from the same state (seed generators).

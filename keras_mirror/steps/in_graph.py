@@ -34,15 +34,15 @@ import contextlib
 import keras
 import tensorflow as tf
 
-from keras_mirror import _reductions
 from keras_mirror import _replica_logs
-from keras_mirror import _scope
-from keras_mirror import _sparse
-from keras_mirror import _steps
 from keras_mirror import allreduce
 from keras_mirror import split
 from keras_mirror.replica_context import ReplicaContext
 from keras_mirror.replica_context import activate
+from keras_mirror.steps import _reductions
+from keras_mirror.steps import _scope
+from keras_mirror.steps import _sparse
+from keras_mirror.steps import strategy as _steps
 
 _NO_REDUCE = (
     "`replica_context().all_reduce_*` is not available on the 'in_graph' "

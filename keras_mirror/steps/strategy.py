@@ -17,13 +17,13 @@ import keras
 import tensorflow as tf
 
 from keras_mirror import _compat
-from keras_mirror import _reductions
 from keras_mirror import _replica_logs
-from keras_mirror import _scope
 from keras_mirror import allreduce
 from keras_mirror import split
 from keras_mirror.replica_context import ReplicaContext
 from keras_mirror.replica_context import activate
+from keras_mirror.steps import _reductions
+from keras_mirror.steps import _scope
 
 REPLICA_KEYS = _replica_logs.STAT_KEYS
 
