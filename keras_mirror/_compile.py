@@ -13,7 +13,7 @@ import keras
 import tensorflow as tf
 
 from keras_mirror import _compat
-from keras_mirror import _homes
+from keras_mirror.distribute import _homes
 from keras_mirror.steps import _reductions
 from keras_mirror.steps import own_step as _custom_step
 

@@ -41,7 +41,8 @@ busy port, and a restart picks new ports.
 
 Preemption. A worker that exits with `PREEMPTED_EXIT_CODE` (75) was
 preempted: with a `StepBackup`, every worker stops after the same step
-and the backup is written (see `keras_mirror._preemption`). The launcher
+and the backup is written (see `keras_mirror.distribute._preemption`).
+The launcher
 waits for the others to exit, then restarts the group at its full size;
 this does not count against `--max-restarts`.
 
@@ -91,8 +92,8 @@ import tempfile
 import threading
 import time
 
-from keras_mirror import _multi_worker
-from keras_mirror import cluster as cluster_lib
+from keras_mirror.distribute import _multi_worker
+from keras_mirror.distribute import cluster as cluster_lib
 
 READY_FILE_ENV = _multi_worker.READY_FILE_ENV
 CPUS_ENV = _multi_worker.CPUS_ENV

@@ -5,17 +5,17 @@ import tensorflow as tf
 
 from keras_mirror import _compat
 from keras_mirror import _compile
-from keras_mirror import _homes
 from keras_mirror import _inputs
-from keras_mirror import _multi_worker
 from keras_mirror import _rebuild
 from keras_mirror import _replica_logs
 from keras_mirror import _validate
-from keras_mirror import _worker_input
 from keras_mirror import allreduce
-from keras_mirror import devices as devices_lib
 from keras_mirror import split
 from keras_mirror.callbacks import step_backup
+from keras_mirror.distribute import _homes
+from keras_mirror.distribute import _multi_worker
+from keras_mirror.distribute import _worker_input
+from keras_mirror.distribute import devices as devices_lib
 from keras_mirror.steps import in_graph as _graph_steps
 from keras_mirror.steps import own_step as _custom_step
 from keras_mirror.steps import strategy as _steps
