@@ -7,10 +7,10 @@ from keras_mirror import _compat
 from keras_mirror import _compile
 from keras_mirror import _inputs
 from keras_mirror import _rebuild
-from keras_mirror import _replica_logs
 from keras_mirror import _validate
 from keras_mirror import allreduce
 from keras_mirror import split
+from keras_mirror.callbacks import _replica_logs
 from keras_mirror.callbacks import step_backup
 from keras_mirror.distribute import _homes
 from keras_mirror.distribute import _multi_worker

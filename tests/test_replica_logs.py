@@ -10,8 +10,8 @@ from helpers import data
 from helpers import mlp
 
 import keras_mirror
-from keras_mirror import _replica_logs
-from keras_mirror._replica_logs import StepHistory
+from keras_mirror.callbacks import _replica_logs
+from keras_mirror.callbacks._replica_logs import StepHistory
 
 NAMES = tuple(k[len("replica_"):] for k in _replica_logs.STAT_KEYS)
 

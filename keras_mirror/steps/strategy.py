@@ -17,9 +17,9 @@ import keras
 import tensorflow as tf
 
 from keras_mirror import _compat
-from keras_mirror import _replica_logs
 from keras_mirror import allreduce
 from keras_mirror import split
+from keras_mirror.callbacks import _replica_logs
 from keras_mirror.replica_context import ReplicaContext
 from keras_mirror.replica_context import activate
 from keras_mirror.steps import _reductions
