@@ -13,6 +13,8 @@ import keras
 import tensorflow as tf
 
 from keras_mirror import _compat
+from keras_mirror import _inputs
+from keras_mirror import _rebuild
 from keras_mirror.distribute import _homes
 from keras_mirror.steps import _reductions
 from keras_mirror.steps import own_step as _custom_step
@@ -81,6 +83,31 @@ def build(mirrored, batch):
     if not mirrored._custom_step and getattr(mirrored, "_reductions",
                                              None) is None:
         mirrored._reductions = _reductions.probe(inner, batch)
+
+
+def ensure_built(mirrored, x, y=None, sample_weight=None):
+    """Builds the model, optimizers, loss and metrics before a step.
+
+    Building in the first step would split an unbuilt model's first
+    batch (which may not divide) and create variables inside replicas.
+    Everything is built on one device, as the user's model would be;
+    the variables then move to the strategy (`_homes`).
+    """
+    batch = _inputs.first_batch(x, y, sample_weight)
+    inner = mirrored._inner
+    if batch is None:
+        if inner.built and all(
+                o.built for o in _homes.optimizers_of(inner)):
+            return
+        raise ValueError(
+            "The wrapped model is not built and keras-mirror cannot "
+            "take a batch from this input to build it. Build the model "
+            "first (e.g. `model.build(input_shape)`). "
+            f"Received: x={type(x).__name__}")
+    _rebuild.build_from_batch(inner, batch[0])
+    build(mirrored, batch)
+    mirrored.built = True
+    mirrored._homes.refresh()
 
 
 def check_reductions(loss):
