@@ -17,7 +17,7 @@ from keras_mirror import _inputs
 from keras_mirror import _rebuild
 from keras_mirror.distribute import _homes
 from keras_mirror.steps import _reductions
-from keras_mirror.steps import own_step as _custom_step
+from keras_mirror.steps import own_step
 
 EXACT_REDUCTIONS = ("sum_over_batch_size", "mean")
 
@@ -43,7 +43,7 @@ def adopt(mirrored):
         check_reductions(getattr(inner, "loss", None))
     for optimizer in _homes.optimizers_of(inner):
         if custom:
-            _custom_step.prepare_optimizer(optimizer)
+            own_step.prepare_optimizer(optimizer)
         else:
             # The steps all-reduce the gradients themselves, exactly once.
             _compat.disable_optimizer_allreduce(optimizer)

@@ -243,3 +243,34 @@ def compute_stats(keys, start, grads, shard_loss, rows, sw):
         stats["replica_samples"] = rows
         stats["replica_sample_weight"] = _sample_weight_sum(sw, rows)
     return stats
+
+
+class StateGuard:
+    """Gives every replica the same starting non-trainable state.
+
+    Each shard's forward pass may write non-trainable variables (moving
+    statistics). The guard reads them before the first shard, records what
+    replica 0 wrote, restores the starting values before every later shard,
+    and finally keeps replica 0's values, as the `tf.distribute` path does.
+    """
+
+    def __init__(self, model, num_replicas):
+        # One replica's writes are the state kept: nothing to guard.
+        self._variables = (list(model.non_trainable_variables)
+                           if num_replicas > 1 else [])
+        self._start = [tf.identity(v.value) for v in self._variables]
+        self._first = None
+
+    def after_replica(self, r):
+        if not self._variables:
+            return
+        if r == 0:
+            self._first = [tf.identity(v.value) for v in self._variables]
+        for v, value in zip(self._variables, self._start):
+            v.assign(value)
+
+    def finish(self):
+        if not self._variables:
+            return
+        for v, value in zip(self._variables, self._first):
+            v.assign(value)

@@ -101,37 +101,6 @@ def _shares(masks, shard_rows, rows):
     return counts, tf.add_n(counts)
 
 
-class _StateGuard:
-    """Gives every replica the same starting non-trainable state.
-
-    Each shard's forward pass may write non-trainable variables (moving
-    statistics). The guard reads them before the first shard, records what
-    replica 0 wrote, restores the starting values before every later shard,
-    and finally keeps replica 0's values, as the `tf.distribute` path does.
-    """
-
-    def __init__(self, model, num_replicas):
-        # One replica's writes are the state kept: nothing to guard.
-        self._variables = (list(model.non_trainable_variables)
-                           if num_replicas > 1 else [])
-        self._start = [tf.identity(v.value) for v in self._variables]
-        self._first = None
-
-    def after_replica(self, r):
-        if not self._variables:
-            return
-        if r == 0:
-            self._first = [tf.identity(v.value) for v in self._variables]
-        for v, value in zip(self._variables, self._start):
-            v.assign(value)
-
-    def finish(self):
-        if not self._variables:
-            return
-        for v, value in zip(self._variables, self._first):
-            v.assign(value)
-
-
 def _sum_gradients(per_replica, variables, gradient_dtype, device):
     """The in-graph all-reduce: per-variable sums over replicas."""
     wire = allreduce.wire_dtype(gradient_dtype)
@@ -191,7 +160,7 @@ def _forward(mirrored, packed, present, rows, training, guard=None):
     """Runs each replica's forward pass and loss on its device, in order.
 
     With `training`, each pass is recorded on its own tape; `guard` (a
-    `_StateGuard`) gives each replica the same starting state.
+    `arithmetic.StateGuard`) gives each replica the same starting state.
     """
     inner = mirrored._inner
     many = len(mirrored.devices) > 1
@@ -223,7 +192,7 @@ def train_step(mirrored, data):
     inner = mirrored._inner
     optimizer = inner.optimizer
     variables = inner.trainable_weights
-    guard = _StateGuard(inner, len(mirrored.devices))
+    guard = arithmetic.StateGuard(inner, len(mirrored.devices))
     keys = mirrored._stat_keys()
     start, packed = arithmetic.step_start(packed, keys)
     n = len(mirrored.devices)
