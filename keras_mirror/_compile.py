@@ -110,6 +110,15 @@ def ensure_built(mirrored, x, y=None, sample_weight=None):
     mirrored._homes.refresh()
 
 
+def require_compiled(mirrored, method):
+    """Raises unless the wrapper is compiled, naming `method`."""
+    if not mirrored.compiled or mirrored.optimizer is None:
+        raise ValueError(
+            f"`MirroredModel.{method}` needs a compiled model: call "
+            "`mirrored.compile(optimizer=..., loss=...)` first, or wrap "
+            f"a compiled model. Received: compiled={mirrored.compiled}")
+
+
 def check_reductions(loss):
     """Refuses a `Loss` whose reduction keras-mirror cannot weight."""
     for leaf in tf.nest.flatten(loss):

@@ -219,26 +219,13 @@ class MirroredModel(ReplicaAttributes, dispatch.StepDispatch,
         """
         _compile.compile(self, *args, **kwargs)
 
-    # -- building ----------------------------------------------------------
-
-    def _ensure_built(self, x, y=None, sample_weight=None):
-        """Builds the model, optimizers, loss and metrics before a step."""
-        _compile.ensure_built(self, x, y, sample_weight)
-
-    def _require_compiled(self, method):
-        if not self.compiled or self.optimizer is None:
-            raise ValueError(
-                f"`MirroredModel.{method}` needs a compiled model: call "
-                "`mirrored.compile(optimizer=..., loss=...)` first, or wrap "
-                f"a compiled model. Received: compiled={self.compiled}")
-
     # -- Keras training API ------------------------------------------------
 
     def fit(self, x=None, y=None, batch_size=None, epochs=1, verbose="auto",
             callbacks=None, validation_data=None, steps_per_epoch=None,
             **kwargs):
         """Trains as `keras.Model.fit`, with the input split per replica."""
-        self._require_compiled("fit")
+        _compile.require_compiled(self, "fit")
         _validate.check_fit_inputs(self, x, y, batch_size, steps_per_epoch,
                                    kwargs.get("sample_weight"))
         x, batch_size = _capacity.adapt_input(self, x, batch_size)
@@ -246,7 +233,7 @@ class MirroredModel(ReplicaAttributes, dispatch.StepDispatch,
                 validation_data, (tf.data.Dataset, keras.utils.PyDataset)):
             validation_data, _ = _capacity.adapt_input(
                 self, validation_data, None)
-        self._ensure_built(x, y, kwargs.get("sample_weight"))
+        _compile.ensure_built(self, x, y, kwargs.get("sample_weight"))
         _validate.check_built_model(self, x, y)
         x, y, batch_size, kwargs = _worker_input.shard_fit_input(
             self, x, y, batch_size, kwargs)
@@ -270,10 +257,10 @@ class MirroredModel(ReplicaAttributes, dispatch.StepDispatch,
 
     def evaluate(self, x=None, y=None, batch_size=None, **kwargs):
         """Evaluates as `keras.Model.evaluate`, with exact global metrics."""
-        self._require_compiled("evaluate")
+        _compile.require_compiled(self, "evaluate")
         if not kwargs.get("_use_cached_eval_dataset"):
             x, batch_size = _capacity.adapt_input(self, x, batch_size)
-            self._ensure_built(x, y, kwargs.get("sample_weight"))
+            _compile.ensure_built(self, x, y, kwargs.get("sample_weight"))
         with self._homes.mirrored():
             return super().evaluate(x, y, batch_size=batch_size, **kwargs)
 
@@ -288,18 +275,18 @@ class MirroredModel(ReplicaAttributes, dispatch.StepDispatch,
 
     def train_on_batch(self, x, y=None, sample_weight=None, **kwargs):
         """Runs one exact step on one global batch."""
-        self._require_compiled("train_on_batch")
+        _compile.require_compiled(self, "train_on_batch")
         _capacity.on_batch(self, x)
-        self._ensure_built(x, y, sample_weight)
+        _compile.ensure_built(self, x, y, sample_weight)
         with self._homes.mirrored():
             return super().train_on_batch(x, y, sample_weight=sample_weight,
                                           **kwargs)
 
     def test_on_batch(self, x, y=None, sample_weight=None, **kwargs):
         """Evaluates one global batch exactly."""
-        self._require_compiled("test_on_batch")
+        _compile.require_compiled(self, "test_on_batch")
         _capacity.on_batch(self, x)
-        self._ensure_built(x, y, sample_weight)
+        _compile.ensure_built(self, x, y, sample_weight)
         with self._homes.mirrored():
             return super().test_on_batch(x, y, sample_weight=sample_weight,
                                          **kwargs)
