@@ -11,6 +11,7 @@ line; `KERAS_MIRROR_INIT=0` turns that off.
 """
 
 import importlib
+import sys
 
 # `replica_context` is both a submodule and a function: bind the function
 # now, or importing the submodule would leave the module under this name.
@@ -22,14 +23,19 @@ _EXPORTS = {
     "MirroredModel": "keras_mirror.mirrored_model",
     "ReplicaTensorBoard": "keras_mirror.callbacks.replica_tensorboard",
     "StepBackup": "keras_mirror.callbacks.step_backup",
-    "init": "keras_mirror._multi_worker",
+    "init": "keras_mirror.distribute._multi_worker",
     "load_model": "keras_mirror.saving",
-    "logical_cpus": "keras_mirror.devices",
+    "logical_cpus": "keras_mirror.distribute.devices",
 }
 
-_SUBMODULES = ("allreduce", "callbacks", "cli", "cluster", "demo",
-               "devices", "errors", "launch", "mirrored_model", "saving",
-               "split", "version")
+_SUBMODULES = ("allreduce", "callbacks", "cli", "demo", "errors", "launch",
+               "mirrored_model", "saving", "split", "version")
+
+# Public modules that live in a subpackage, under their old names.
+_MOVED = {
+    "cluster": "keras_mirror.distribute.cluster",
+    "devices": "keras_mirror.distribute.devices",
+}
 
 __all__ = sorted([*_EXPORTS, "ReplicaContext", "__version__", "errors",
                   "replica_context"])
@@ -58,8 +64,14 @@ def __getattr__(name):
         value = getattr(_import(_EXPORTS[name]), name)
         globals()[name] = value
         return value
-    if name in _SUBMODULES:  # `keras_mirror.cluster.parse_cluster(...)`
+    if name in _SUBMODULES:  # `keras_mirror.split.balanced_sizes(...)`
         return _import(f"keras_mirror.{name}")
+    if name in _MOVED:  # `keras_mirror.cluster.parse_cluster(...)`
+        module = _import(_MOVED[name])
+        # `import keras_mirror.cluster` then finds the same module.
+        sys.modules.setdefault(f"keras_mirror.{name}", module)
+        globals()[name] = module
+        return module
     raise AttributeError(f"module 'keras_mirror' has no attribute {name!r}")
 
 
@@ -67,4 +79,4 @@ def __dir__():
     return sorted(set(globals()) | set(__all__))
 
 
-importlib.import_module("keras_mirror._multi_worker").auto_init()
+importlib.import_module("keras_mirror.distribute._multi_worker").auto_init()

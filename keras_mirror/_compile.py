@@ -13,9 +13,11 @@ import keras
 import tensorflow as tf
 
 from keras_mirror import _compat
-from keras_mirror import _custom_step
-from keras_mirror import _homes
-from keras_mirror import _reductions
+from keras_mirror import _inputs
+from keras_mirror import _rebuild
+from keras_mirror.distribute import _homes
+from keras_mirror.steps import _reductions
+from keras_mirror.steps import own_step
 
 EXACT_REDUCTIONS = ("sum_over_batch_size", "mean")
 
@@ -41,7 +43,7 @@ def adopt(mirrored):
         check_reductions(getattr(inner, "loss", None))
     for optimizer in _homes.optimizers_of(inner):
         if custom:
-            _custom_step.prepare_optimizer(optimizer)
+            own_step.prepare_optimizer(optimizer)
         else:
             # The steps all-reduce the gradients themselves, exactly once.
             _compat.disable_optimizer_allreduce(optimizer)
@@ -81,6 +83,40 @@ def build(mirrored, batch):
     if not mirrored._custom_step and getattr(mirrored, "_reductions",
                                              None) is None:
         mirrored._reductions = _reductions.probe(inner, batch)
+
+
+def ensure_built(mirrored, x, y=None, sample_weight=None):
+    """Builds the model, optimizers, loss and metrics before a step.
+
+    Building in the first step would split an unbuilt model's first
+    batch (which may not divide) and create variables inside replicas.
+    Everything is built on one device, as the user's model would be;
+    the variables then move to the strategy (`_homes`).
+    """
+    batch = _inputs.first_batch(x, y, sample_weight)
+    inner = mirrored._inner
+    if batch is None:
+        if inner.built and all(
+                o.built for o in _homes.optimizers_of(inner)):
+            return
+        raise ValueError(
+            "The wrapped model is not built and keras-mirror cannot "
+            "take a batch from this input to build it. Build the model "
+            "first (e.g. `model.build(input_shape)`). "
+            f"Received: x={type(x).__name__}")
+    _rebuild.build_from_batch(inner, batch[0])
+    build(mirrored, batch)
+    mirrored.built = True
+    mirrored._homes.refresh()
+
+
+def require_compiled(mirrored, method):
+    """Raises unless the wrapper is compiled, naming `method`."""
+    if not mirrored.compiled or mirrored.optimizer is None:
+        raise ValueError(
+            f"`MirroredModel.{method}` needs a compiled model: call "
+            "`mirrored.compile(optimizer=..., loss=...)` first, or wrap "
+            f"a compiled model. Received: compiled={mirrored.compiled}")
 
 
 def check_reductions(loss):

@@ -53,3 +53,23 @@ def table(title, header, rows, print_fn=None, justify=None, width=None):
     console.print(grid)
     if print_fn:
         print_fn(console.end_capture().rstrip("\n"))
+
+
+def summary_header(mirrored, kwargs):
+    """Prints `MirroredModel.summary()`'s table: replicas, path, statistics.
+
+    `kwargs` are `summary`'s own (`print_fn`, `line_length`).
+    """
+    keys = mirrored._stat_keys()
+    stats = ", ".join(keys) if keys else "none"
+    if not mirrored.replica_stats:
+        stats += " (replica_stats=False)"
+    table(
+        f'MirroredModel: "{mirrored.name}"', ["Setting", "Value"], [
+            ["Replicas", f"{mirrored.num_replicas}: "
+             + ", ".join(mirrored.devices)],
+            ["Batch", repr(mirrored.batch_mode)],
+            ["Execution path", mirrored.execution_summary],
+            ["Per-replica statistics", stats],
+        ], print_fn=kwargs.get("print_fn"),
+        width=kwargs.get("line_length"))

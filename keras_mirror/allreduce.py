@@ -2,7 +2,7 @@
 
 import tensorflow as tf
 
-from keras_mirror import _sparse
+from keras_mirror.steps import _sparse
 
 _DTYPES = {None: None, "float32": None, "bfloat16": tf.bfloat16,
            "float16": tf.float16}

@@ -5,27 +5,28 @@ import tensorflow as tf
 
 from keras_mirror import _compat
 from keras_mirror import _compile
-from keras_mirror import _custom_step
-from keras_mirror import _graph_steps
-from keras_mirror import _homes
 from keras_mirror import _inputs
-from keras_mirror import _multi_worker
 from keras_mirror import _rebuild
-from keras_mirror import _replica_logs
-from keras_mirror import _steps
 from keras_mirror import _validate
-from keras_mirror import _worker_input
 from keras_mirror import allreduce
-from keras_mirror import devices as devices_lib
-from keras_mirror import split
+from keras_mirror._replica_attributes import ReplicaAttributes
+from keras_mirror.callbacks import replica_history
 from keras_mirror.callbacks import step_backup
+from keras_mirror.distribute import _homes
+from keras_mirror.distribute import _multi_worker
+from keras_mirror.distribute import _worker_input
+from keras_mirror.distribute import devices as devices_lib
+from keras_mirror.steps import _capacity
+from keras_mirror.steps import _execution
+from keras_mirror.steps import dispatch
+from keras_mirror.steps import own_step
 
 BATCH_MODES = ("global", "per_replica")
 NONFINITE_MODES = ("warn", "skip_step", "raise")
-EXECUTIONS = ("auto", "in_graph", "strategy")
 
 
-class MirroredModel(_steps.ReplicaSteps, keras.Model):
+class MirroredModel(ReplicaAttributes, dispatch.StepDispatch,
+                    keras.Model):
     """Trains an existing Keras model data-parallel, exactly.
 
     Wraps any Keras 3 model (Sequential, Functional or subclassed, holding
@@ -148,24 +149,22 @@ class MirroredModel(_steps.ReplicaSteps, keras.Model):
         comm = allreduce.communication_options(
             communication, bytes_per_pack, timeout_seconds)
         allreduce.check_gradient_dtype(gradient_dtype)
-        _validate.check_choice("execution", execution, EXECUTIONS)
+        _validate.check_choice("execution", execution,
+                               _execution.EXECUTIONS)
         _rebuild.check_not_wrapped(model)
         resolved = devices_lib.resolve_devices(devices)
         spec = _multi_worker.cluster_spec(cluster)
         _multi_worker.check_worker_input(worker_input, spec)
         if spec is not None:
             # Built before the model: TF must not initialise first.
-            _check_execution(execution, "a multi-worker cluster")
+            _execution.check(execution, "a multi-worker cluster")
             strategy = devices_lib.multi_worker_strategy(spec, resolved, comm)
         original = _rebuild.build_original(model)
         _rebuild.check_weights_exist(original)
-        collective_options = {
-            k: v for k, v in (("bytes_per_pack", bytes_per_pack),
-                              ("communication", communication))
-            if v != {"bytes_per_pack": 0, "communication": "auto"}[k]}
-        execution, reason = _pick_execution(
-            execution, resolved, spec, _custom_step.has_custom_step(original),
-            collective_options, _rebuild.synchronized_layers(original))
+        execution, reason = _execution.pick(
+            execution, resolved, spec, own_step.has_custom_step(original),
+            _execution.collective_options(bytes_per_pack, communication),
+            _rebuild.synchronized_layers(original))
         if spec is None and execution == "strategy":
             strategy = devices_lib.mirrored_strategy(resolved, communication)
         elif spec is None:
@@ -193,128 +192,14 @@ class MirroredModel(_steps.ReplicaSteps, keras.Model):
         self._gradient_dtype = gradient_dtype
         self._comm_options = comm
         self.replica_history = {}
-        self._custom_step = _custom_step.setup(original)
-        _custom_step.warn_inexact(original, self._custom_step, self._devices)
+        self._custom_step = own_step.setup(original)
+        own_step.warn_inexact(original, self._custom_step, self._devices)
         if original.built:
             self.built = True
         if spec is not None:
             _multi_worker.log_layout(self)
         if getattr(original, "compiled", False):
             _compile.adopt(self)
-
-    # -- public attributes -------------------------------------------------
-
-    @property
-    def num_replicas(self):
-        """The number of replicas (devices) in sync."""
-        if self._execution == "in_graph":
-            return len(self._devices)
-        return self._strategy.num_replicas_in_sync
-
-    @property
-    def execution(self):
-        """The execution path: `"in_graph"` or `"strategy"` (see `summary`)."""
-        return self._execution
-
-    @property
-    def num_workers(self):
-        """Worker processes in the cluster; 1 without a cluster."""
-        return 1 if self._cluster is None else self._cluster.num_workers
-
-    @property
-    def is_chief(self):
-        """Whether this process writes saves, backups and summaries."""
-        return self._cluster is None or self._cluster.is_chief
-
-    @property
-    def local_replica_ids(self):
-        """Global ids of the replicas this worker hosts, in order.
-
-        Worker `w` (its position in the cluster, chief first) hosts
-        `w * n_local ... (w + 1) * n_local - 1`.
-        """
-        n_local = len(self._devices)
-        first = _multi_worker.worker_position(self._cluster) * n_local
-        return tuple(range(first, first + n_local))
-
-    @property
-    def worker_input(self):
-        """How input is divided between workers (see `MirroredModel`)."""
-        return self._worker_input
-
-    @property
-    def devices(self):
-        """The replicas' device names, in replica order."""
-        return self._devices
-
-    @property
-    def strategy(self):
-        """The `tf.distribute` strategy the replicas run on.
-
-        `MirroredStrategy` (or `MultiWorkerMirroredStrategy`) on the
-        `"strategy"` path, whose variables get a mirrored twin during each
-        wrapper call; the default strategy on the `"in_graph"` path, whose
-        variables are the model's own, used as they are.
-        """
-        return self._strategy
-
-    @property
-    def replica_stats(self):
-        """Whether training steps compute the per-replica statistics."""
-        return self._replica_stats
-
-    def _stat_keys(self):
-        """The built-in step's `replica_*` statistics, in packed order.
-
-        Read when the step is traced (as `on_nonfinite` is).
-        """
-        if self._replica_stats:
-            return _replica_logs.STAT_KEYS
-        if self.on_nonfinite != "warn":
-            return ("replica_nonfinite",)
-        return ()
-
-    @property
-    def batch_mode(self):
-        """`"global"` or `"per_replica"`."""
-        return self._batch_mode
-
-    @property
-    def allreduce_bytes_per_step(self):
-        """Bytes each replica sends into the gradient all-reduce per step.
-
-        Counts every gradient at its variable's dense size, in
-        `gradient_dtype` when set. A sparse gradient (an `Embedding`'s) is
-        all-gathered instead, and sends what the replica's shard looked up:
-        its rows' values plus an index each, which depends on the batch and
-        can be less or more than the dense size.
-        """
-        return allreduce.bytes_per_step(self.trainable_weights,
-                                        self._gradient_dtype)
-
-    def split_plan(self, batch_size, replica_batch_size=None):
-        """Rows each replica receives, in replica order.
-
-        Args:
-            batch_size: int. Rows in one global batch (in `"per_replica"`
-                mode: the rows of the `N` joined replica batches).
-            replica_batch_size: int or None. In `"per_replica"` mode, the
-                rows of a full replica batch; default `batch_size // N`
-                rounded up.
-
-        Returns:
-            A tuple of `num_replicas` ints that sums to `batch_size`.
-        """
-        if isinstance(batch_size, bool) or not isinstance(batch_size, int) \
-                or batch_size < 0:
-            raise ValueError(
-                "`batch_size` must be a non-negative integer. "
-                f"Received: batch_size={batch_size!r}")
-        n = self.num_replicas
-        if self._batch_mode == "global":
-            return split.balanced_sizes(batch_size, n)
-        capacity = replica_batch_size or -(-batch_size // n)
-        return split.fill_sizes(batch_size, n, capacity)
 
     def call(self, inputs, training=None):
         return self._inner(inputs, training=training)
@@ -334,150 +219,29 @@ class MirroredModel(_steps.ReplicaSteps, keras.Model):
         """
         _compile.compile(self, *args, **kwargs)
 
-    # -- the steps: the wrapped model's own methods, on every replica -------
-
-    @property
-    def metrics(self):
-        """The wrapped model's metrics (Keras resets them every epoch)."""
-        inner = self.__dict__.get("_inner")
-        if inner is None or not getattr(inner, "compiled", False):
-            return super().metrics
-        return inner.metrics
-
-    def train_step(self, data):
-        data = _worker_input.assemble(self, data)
-        if self._custom_step:
-            return _custom_step.train_step(self, data)
-        if self._execution == "in_graph":
-            return _graph_steps.train_step(self, data)
-        return super().train_step(data)
-
-    def make_train_function(self, force=False):
-        """Keras's train function, returning the `replica_*` vectors.
-
-        The built-in step packs its per-replica statistics into one tensor
-        (`_replica_logs.PACKED`); the returned function splits it, so every
-        caller of `train_function` (fit, train_on_batch) sees the vectors.
-        """
-        if self.train_function is not None and not force:
-            return self.train_function
-        super().make_train_function(force=force)
-        self.train_function = _replica_logs.unpacking(
-            self.train_function, self._stat_keys())
-        return self.train_function
-
-    def test_step(self, data):
-        if _custom_step.overrides(self._inner, "test_step"):
-            return _custom_step.test_step(self, data)
-        if self._execution == "in_graph":
-            return _graph_steps.test_step(self, data)
-        return super().test_step(data)
-
-    def predict_step(self, data):
-        if _custom_step.overrides(self._inner, "predict_step"):
-            return _custom_step.predict_step(self, data)
-        if self._execution == "in_graph":
-            return _graph_steps.predict_step(self, data)
-        return super().predict_step(data)
-
-    # -- building ----------------------------------------------------------
-
-    def _ensure_built(self, x, y=None, sample_weight=None):
-        """Builds the model, optimizers, loss and metrics before a step.
-
-        Building in the first step would split an unbuilt model's first
-        batch (which may not divide) and create variables inside replicas.
-        Everything is built on one device, as the user's model would be;
-        the variables then move to the strategy (`_homes`).
-        """
-        batch = _inputs.first_batch(x, y, sample_weight)
-        inner = self._inner
-        if batch is None:
-            if inner.built and all(
-                    o.built for o in _homes.optimizers_of(inner)):
-                return
-            raise ValueError(
-                "The wrapped model is not built and keras-mirror cannot "
-                "take a batch from this input to build it. Build the model "
-                "first (e.g. `model.build(input_shape)`). "
-                f"Received: x={type(x).__name__}")
-        _rebuild.build_from_batch(inner, batch[0])
-        _compile.build(self, batch)
-        self.built = True
-        self._homes.refresh()
-
-    def _require_compiled(self, method):
-        if not self.compiled or self.optimizer is None:
-            raise ValueError(
-                f"`MirroredModel.{method}` needs a compiled model: call "
-                "`mirrored.compile(optimizer=..., loss=...)` first, or wrap "
-                f"a compiled model. Received: compiled={self.compiled}")
-
-    # -- input -------------------------------------------------------------
-
-    def _adapt_input(self, x, batch_size):
-        """Returns (x, batch_size) for Keras; sets the split capacity."""
-        n = self.num_replicas
-        if self._batch_mode == "global":
-            capacity = None
-        elif isinstance(x, tf.data.Dataset):
-            capacity = _inputs.capacity_of(x)
-            x = _inputs.group_dataset(x, n)
-        elif isinstance(x, keras.utils.PyDataset):
-            capacity = _inputs.capacity_of(x)
-            x = _inputs.GroupedPyDataset(x, n)
-        else:
-            capacity = batch_size or 32
-            batch_size = capacity * n
-        self._set_capacity(capacity)
-        return x, batch_size
-
-    def _set_capacity(self, capacity):
-        """Sets the fill-rule capacity; a change retraces the step functions."""
-        if capacity != self._capacity:
-            self._capacity = capacity
-            self.train_function = None
-            self.test_function = None
-            self.predict_function = None
-
-    def _on_batch_capacity(self, x):
-        """One global batch given to `*_on_batch`: `N` replica batches."""
-        if self._batch_mode == "per_replica":
-            rows = _inputs.num_rows(x)
-            self._set_capacity(-(-rows // self.num_replicas))
-        else:
-            self._set_capacity(None)
-
-    def _callbacks(self, callbacks, verbose, epochs, steps):
-        if isinstance(callbacks, keras.callbacks.CallbackList):
-            return callbacks
-        callbacks = [_replica_logs.ReplicaHistory(self)] + list(
-            callbacks or [])
-        return _replica_logs.ReplicaCallbackList(
-            callbacks, add_history=True, add_progbar=verbose != 0,
-            verbose=verbose, epochs=epochs, steps=steps, model=self)
-
     # -- Keras training API ------------------------------------------------
 
     def fit(self, x=None, y=None, batch_size=None, epochs=1, verbose="auto",
             callbacks=None, validation_data=None, steps_per_epoch=None,
             **kwargs):
         """Trains as `keras.Model.fit`, with the input split per replica."""
-        self._require_compiled("fit")
+        _compile.require_compiled(self, "fit")
         _validate.check_fit_inputs(self, x, y, batch_size, steps_per_epoch,
                                    kwargs.get("sample_weight"))
-        x, batch_size = self._adapt_input(x, batch_size)
+        x, batch_size = _capacity.adapt_input(self, x, batch_size)
         if validation_data is not None and isinstance(
                 validation_data, (tf.data.Dataset, keras.utils.PyDataset)):
-            validation_data, _ = self._adapt_input(validation_data, None)
-        self._ensure_built(x, y, kwargs.get("sample_weight"))
+            validation_data, _ = _capacity.adapt_input(
+                self, validation_data, None)
+        _compile.ensure_built(self, x, y, kwargs.get("sample_weight"))
         _validate.check_built_model(self, x, y)
         x, y, batch_size, kwargs = _worker_input.shard_fit_input(
             self, x, y, batch_size, kwargs)
         verbose = 1 if verbose == "auto" else verbose
         steps = _inputs.count_steps(x, batch_size, steps_per_epoch,
                                     kwargs.get("validation_split", 0.0))
-        callbacks = self._callbacks(callbacks, verbose, epochs, steps)
+        callbacks = replica_history.callback_list(self, callbacks, verbose,
+                                                  epochs, steps)
         backup = step_backup.find(callbacks)
         with self._homes.mirrored():
             if backup is not None:
@@ -493,16 +257,16 @@ class MirroredModel(_steps.ReplicaSteps, keras.Model):
 
     def evaluate(self, x=None, y=None, batch_size=None, **kwargs):
         """Evaluates as `keras.Model.evaluate`, with exact global metrics."""
-        self._require_compiled("evaluate")
+        _compile.require_compiled(self, "evaluate")
         if not kwargs.get("_use_cached_eval_dataset"):
-            x, batch_size = self._adapt_input(x, batch_size)
-            self._ensure_built(x, y, kwargs.get("sample_weight"))
+            x, batch_size = _capacity.adapt_input(self, x, batch_size)
+            _compile.ensure_built(self, x, y, kwargs.get("sample_weight"))
         with self._homes.mirrored():
             return super().evaluate(x, y, batch_size=batch_size, **kwargs)
 
     def predict(self, x, batch_size=None, **kwargs):
         """Predicts as `keras.Model.predict`; rows keep the input order."""
-        x, batch_size = self._adapt_input(x, batch_size)
+        x, batch_size = _capacity.adapt_input(self, x, batch_size)
         if not self._inner.built:
             _rebuild.build_from_batch(self._inner, _inputs.first_x(x))
             self._homes.refresh()
@@ -511,25 +275,25 @@ class MirroredModel(_steps.ReplicaSteps, keras.Model):
 
     def train_on_batch(self, x, y=None, sample_weight=None, **kwargs):
         """Runs one exact step on one global batch."""
-        self._require_compiled("train_on_batch")
-        self._on_batch_capacity(x)
-        self._ensure_built(x, y, sample_weight)
+        _compile.require_compiled(self, "train_on_batch")
+        _capacity.on_batch(self, x)
+        _compile.ensure_built(self, x, y, sample_weight)
         with self._homes.mirrored():
             return super().train_on_batch(x, y, sample_weight=sample_weight,
                                           **kwargs)
 
     def test_on_batch(self, x, y=None, sample_weight=None, **kwargs):
         """Evaluates one global batch exactly."""
-        self._require_compiled("test_on_batch")
-        self._on_batch_capacity(x)
-        self._ensure_built(x, y, sample_weight)
+        _compile.require_compiled(self, "test_on_batch")
+        _capacity.on_batch(self, x)
+        _compile.ensure_built(self, x, y, sample_weight)
         with self._homes.mirrored():
             return super().test_on_batch(x, y, sample_weight=sample_weight,
                                          **kwargs)
 
     def predict_on_batch(self, x):
         """Predicts one global batch; rows keep the input order."""
-        self._on_batch_capacity(x)
+        _capacity.on_batch(self, x)
         if not self._inner.built:
             _rebuild.build_from_batch(self._inner, x)
             self._homes.refresh()
@@ -602,88 +366,11 @@ class MirroredModel(_steps.ReplicaSteps, keras.Model):
         """
         from keras_mirror import _rendering
 
-        keys = self._stat_keys()
-        stats = ", ".join(keys) if keys else "none"
-        if not self._replica_stats:
-            stats += " (replica_stats=False)"
-        _rendering.table(
-            f'MirroredModel: "{self.name}"', ["Setting", "Value"], [
-                ["Replicas", f"{self.num_replicas}: "
-                 + ", ".join(self._devices)],
-                ["Batch", repr(self._batch_mode)],
-                ["Execution path", self.execution_summary],
-                ["Per-replica statistics", stats],
-            ], print_fn=kwargs.get("print_fn"),
-            width=kwargs.get("line_length"))
+        _rendering.summary_header(self, kwargs)
         self._inner.summary(*args, **kwargs)
-
-    @property
-    def execution_summary(self):
-        """One line: which execution path runs, and why."""
-        if self._execution == "in_graph":
-            what = ("in_graph (one graph; each replica's shard runs under "
-                    "tf.device on its device; one copy of the variables on "
-                    f"{self._devices[0]}; gradients summed in-graph)")
-        else:
-            what = (f"strategy (tf.distribute "
-                    f"{type(self._strategy).__name__}; one replica step per "
-                    "device; explicit gradient all-reduce)")
-        return f"{what}, because {self._execution_reason}."
 
     def get_config(self):
         raise NotImplementedError(
             "A MirroredModel is not serialised itself: `save` writes the "
             "wrapped plain model, which loads without keras-mirror.")
 
-
-def _check_execution(execution, what):
-    if execution == "in_graph":
-        raise ValueError(
-            f"`execution='in_graph'` cannot run {what}: only the "
-            "tf.distribute path can. Pass execution='strategy' or 'auto'. "
-            f"Received: execution={execution!r}")
-
-
-def _pick_execution(execution, devices, spec, custom_step,
-                    collective_options, synchronized=()):
-    """Returns (path, reason) for `MirroredModel(execution=...)`."""
-    if spec is not None:
-        return "strategy", "training spans a multi-worker cluster"
-    if custom_step:
-        _check_execution(execution, "a model with its own `train_step`")
-        if execution == "strategy":
-            return "strategy", "execution='strategy' was asked for"
-        return "strategy", ("the model has its own `train_step`, which runs "
-                            "per replica under the strategy")
-    if synchronized and len(devices) > 1:
-        _check_execution(
-            execution, "`BatchNormalization(synchronized=True)` (layers "
-            f"{list(synchronized)}), whose statistics need every replica's "
-            "rows at once")
-        if execution != "strategy":
-            return "strategy", (
-                "the model has synchronized BatchNormalization, whose "
-                "statistics are all-reduced across the replicas")
-    if execution == "strategy":
-        return "strategy", "execution='strategy' was asked for"
-    given = ", ".join(f"{k}={v!r}" for k, v in collective_options.items())
-    if execution == "in_graph":
-        if collective_options:
-            raise ValueError(
-                f"{given} tune the collective all-reduce of the "
-                "'strategy' execution path; the 'in_graph' path sums "
-                "gradients in-graph and has no collective. Drop them or "
-                "pass execution='strategy'. Received: "
-                f"execution='in_graph', {given}")
-        return "in_graph", "execution='in_graph' was asked for"
-    if collective_options:
-        return "strategy", (f"collective all-reduce options were given "
-                            f"({given})")
-    if len(devices) == 1:
-        return "in_graph", "there is one device (nothing to mirror)"
-    if all("CPU" in d.upper() for d in devices):
-        return "in_graph", ("the devices are CPUs of one host, which share "
-                            "memory: mirrored copies would only add an "
-                            "optimizer update per copy")
-    return "strategy", ("the devices are accelerators: each keeps its own "
-                        "copy and gradients are all-reduced (NCCL on GPUs)")

@@ -277,7 +277,7 @@ def slurm(monkeypatch):
 
 
 def test_srun_step_is_a_cluster_from_the_environment(slurm):
-    from keras_mirror import _multi_worker
+    from keras_mirror.distribute import _multi_worker
 
     spec, source = _multi_worker.cluster_from_environment()
     assert source == "Slurm"
@@ -291,7 +291,7 @@ def test_srun_step_is_a_cluster_from_the_environment(slurm):
 def test_slurm_resolver_is_accepted_as_cluster(slurm):
     import tensorflow as tf
 
-    from keras_mirror import _multi_worker
+    from keras_mirror.distribute import _multi_worker
 
     resolver = tf.distribute.cluster_resolver.SlurmClusterResolver(
         port_base=23456, gpus_per_node=2, gpus_per_task=1,
@@ -303,7 +303,7 @@ def test_slurm_resolver_is_accepted_as_cluster(slurm):
 
 
 def test_batch_script_outside_srun_is_not_a_cluster(slurm, monkeypatch):
-    from keras_mirror import _multi_worker
+    from keras_mirror.distribute import _multi_worker
 
     monkeypatch.delenv("SLURM_STEP_ID")
     assert _multi_worker.cluster_from_environment() == (None, None)
@@ -323,7 +323,7 @@ KUBEFLOW_TF_CONFIG = {
 def test_kubeflow_tfjob_through_tf_config_resolver(monkeypatch):
     import tensorflow as tf
 
-    from keras_mirror import _multi_worker
+    from keras_mirror.distribute import _multi_worker
 
     monkeypatch.setenv("TF_CONFIG", json.dumps(KUBEFLOW_TF_CONFIG))
     resolver = tf.distribute.cluster_resolver.TFConfigClusterResolver()
@@ -337,7 +337,7 @@ def test_kubeflow_tfjob_through_tf_config_resolver(monkeypatch):
 def test_resolver_without_a_task_names_what_to_pass():
     import tensorflow as tf
 
-    from keras_mirror import _multi_worker
+    from keras_mirror.distribute import _multi_worker
 
     resolver = tf.distribute.cluster_resolver.SimpleClusterResolver(
         tf.train.ClusterSpec({"worker": TWO}))
@@ -351,7 +351,7 @@ def test_resolver_without_a_task_names_what_to_pass():
 def test_resolver_with_a_parameter_server_keeps_the_clear_error():
     import tensorflow as tf
 
-    from keras_mirror import _multi_worker
+    from keras_mirror.distribute import _multi_worker
 
     resolver = tf.distribute.cluster_resolver.SimpleClusterResolver(
         tf.train.ClusterSpec({"worker": TWO, "ps": ["127.0.0.1:2224"]}),

@@ -20,11 +20,11 @@ import tensorflow as tf
 from helpers import own_step_model
 
 import keras_mirror
-from keras_mirror import _worker_input
 from keras_mirror import cluster
 from keras_mirror import errors
 from keras_mirror import launch
 from keras_mirror import saving
+from keras_mirror.distribute import _worker_input
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 X = np.ones((8, 3), "float32")

@@ -18,6 +18,8 @@ import psutil
 import pytest
 
 from keras_mirror import launch as launch_lib
+from keras_mirror.launch import _ports
+from keras_mirror.launch import _supervise
 
 WORKERS = pathlib.Path(__file__).parent / "workers"
 TOY = [sys.executable, str(WORKERS / "toy_worker.py")]
@@ -264,9 +266,9 @@ def test_real_multi_worker_strategy_marks_ready_and_all_reduces(capsys):
 def test_missing_peer_fails_within_start_timeout(capsys):
     # Only task 0 of a 2-worker cluster is started; no one listens on the
     # port of task 1, so building the strategy waits for it forever.
-    addresses = [f"127.0.0.1:{p}" for p in launch_lib._free_ports(2)]
+    addresses = [f"127.0.0.1:{p}" for p in _ports.free_ports(2)]
     started = time.monotonic()
-    code, may_restart, _ = launch_lib._run_attempt(
+    code, may_restart, _ = _supervise.run_attempt(
         MWMS, addresses, [0], attempt=0, start_timeout=15, grace_period=1
     )
     elapsed = time.monotonic() - started
@@ -282,8 +284,8 @@ def test_busy_port_is_reported(capsys, monkeypatch):
         busy.bind(("127.0.0.1", 0))
         busy.listen()
         port = busy.getsockname()[1]
-        free = launch_lib._free_ports(1)
-        monkeypatch.setattr(launch_lib, "_free_ports", lambda n: [port] + free)
+        free = _ports.free_ports(1)
+        monkeypatch.setattr(_ports, "free_ports", lambda n: [port] + free)
         code = launch_lib.launch(
             MWMS, 2, timeout=75, start_timeout=60, grace_period=1
         )
@@ -381,11 +383,11 @@ def test_worker_failing_twice_shrinks_the_group_to_min_workers(capsys):
 
 
 def test_next_size_shrinks_only_for_a_repeated_failure():
-    assert launch_lib._next_size(3, 2, None, 2) == 3
-    assert launch_lib._next_size(3, 2, 1, 2) == 3
-    assert launch_lib._next_size(3, 2, 2, 2) == 2
-    assert launch_lib._next_size(2, 1, 1, 2) == 2
-    assert launch_lib._next_size(3, 2, 2, None) == 3
+    assert _supervise.next_size(3, 2, None, 2) == 3
+    assert _supervise.next_size(3, 2, 1, 2) == 3
+    assert _supervise.next_size(3, 2, 2, 2) == 2
+    assert _supervise.next_size(2, 1, 1, 2) == 2
+    assert _supervise.next_size(3, 2, 2, None) == 3
 
 
 def test_group_shrinks_then_grows_back_after_a_preemption(monkeypatch):
@@ -401,7 +403,7 @@ def test_group_shrinks_then_grows_back_after_a_preemption(monkeypatch):
         sizes.append(len(tasks))
         return next(results)
 
-    monkeypatch.setattr(launch_lib, "_run_attempt", attempt)
+    monkeypatch.setattr(_supervise, "run_attempt", attempt)
     code = launch_lib.launch(["python", "x.py"], 3, max_restarts=2,
                              min_workers=2)
     assert (code, sizes) == (0, [3, 3, 2, 3])

@@ -353,7 +353,7 @@ def test_train_on_batch_returns_each_replica_vector(cpus):
     # The step returns its per-replica statistics packed in one tensor;
     # every caller of `train_function` gets them back as `replica_*`
     # vectors, in Keras's own order for a list result.
-    from keras_mirror import _replica_logs
+    from keras_mirror.callbacks import _replica_logs
 
     mirrored = keras_mirror.MirroredModel(mlp(), devices=cpus[:3])
     mirrored.compile(optimizer="sgd", loss="mse", metrics=["mae"])
@@ -376,7 +376,7 @@ def test_train_on_batch_returns_each_replica_vector(cpus):
 
 
 def test_the_step_packs_its_statistics_into_one_output(cpus):
-    from keras_mirror import _replica_logs
+    from keras_mirror.callbacks import _replica_logs
 
     mirrored = keras_mirror.MirroredModel(mlp(), devices=cpus[:2])
     mirrored.compile(optimizer="sgd", loss="mse")

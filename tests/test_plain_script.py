@@ -17,6 +17,7 @@ import psutil
 import pytest
 
 from keras_mirror import launch as launch_lib
+from keras_mirror.launch import _ports
 
 WORKERS = pathlib.Path(__file__).parent / "workers"
 
@@ -108,7 +109,7 @@ def _two_free_ports():
     from keras_mirror import cluster
 
     for _ in range(50):
-        port = launch_lib._free_ports(1)[0]
+        port = _ports.free_ports(1)[0]
         if port < 65535 and not cluster.port_in_use(port + 1):
             return port
     pytest.skip("no two consecutive free ports")
@@ -173,7 +174,7 @@ def test_plain_script_under_srun_environment_trains_like_one_device(
 def test_plain_script_as_kubeflow_tfjob_chief_and_worker(tmp_path):
     # The TF_CONFIG a TFJob with one Chief and one Worker replica gives
     # each pod ("environment": "cloud" included): the chief is worker 0.
-    ports = launch_lib._free_ports(2)
+    ports = _ports.free_ports(2)
     cluster = {"chief": [f"127.0.0.1:{ports[0]}"],
                "worker": [f"127.0.0.1:{ports[1]}"]}
     text = _run_tasks(tmp_path, [

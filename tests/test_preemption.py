@@ -45,7 +45,7 @@ def test_watch_catches_one_sigterm_and_restores_the_handler():
     import os
     import signal
 
-    from keras_mirror import _preemption
+    from keras_mirror.distribute import _preemption
 
     previous = signal.getsignal(signal.SIGTERM)
     watch = _preemption.Watch()

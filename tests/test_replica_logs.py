@@ -10,8 +10,9 @@ from helpers import data
 from helpers import mlp
 
 import keras_mirror
-from keras_mirror import _replica_logs
-from keras_mirror._replica_logs import StepHistory
+from keras_mirror.callbacks import _replica_logs
+from keras_mirror.callbacks import replica_history
+from keras_mirror.callbacks.replica_history import StepHistory
 
 NAMES = tuple(k[len("replica_"):] for k in _replica_logs.STAT_KEYS)
 
@@ -57,7 +58,7 @@ def test_unpack_with_fewer_keys_and_a_mismatch():
 def _recorder(replicas=3, on_nonfinite="warn"):
     mirrored = types.SimpleNamespace(replica_history={},
                                      on_nonfinite=on_nonfinite)
-    return mirrored, _replica_logs.ReplicaHistory(mirrored)
+    return mirrored, replica_history.ReplicaHistory(mirrored)
 
 
 def test_step_history_reads_like_a_list_of_dicts():
@@ -184,7 +185,7 @@ def test_wants_replica_logs_is_the_opt_in():
     assert not _replica_logs.wants_replica_logs(_Recorder())
     assert _replica_logs.wants_replica_logs(_OptedIn())
     assert _replica_logs.wants_replica_logs(
-        _replica_logs.ReplicaHistory(types.SimpleNamespace()))
+        replica_history.ReplicaHistory(types.SimpleNamespace()))
     assert _replica_logs.strip(
         {"loss": 1, "replica_loss": 2, "val_replica_loss": 3,
          "val_loss": 4}) == {"loss": 1, "val_loss": 4}

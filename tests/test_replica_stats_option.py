@@ -19,7 +19,7 @@ from helpers import own_step_model
 from helpers import summary_cells
 
 import keras_mirror
-from keras_mirror import _replica_logs
+from keras_mirror.callbacks import _replica_logs
 
 # Each test runs on both execution paths (conftest.py).
 pytestmark = pytest.mark.usefixtures("execution")

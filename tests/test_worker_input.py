@@ -17,8 +17,8 @@ from test_multi_worker import WORKER
 from test_multi_worker import _no_leftover_processes  # noqa: F401
 from test_multi_worker import assert_equal_single_device
 
-from keras_mirror import _worker_input
 from keras_mirror import launch as launch_lib
+from keras_mirror.distribute import _worker_input
 
 
 @pytest.mark.timeout(100)

@@ -7,7 +7,7 @@ import keras
 import numpy as np
 import tensorflow as tf
 
-from keras_mirror import _replica_logs
+from keras_mirror.callbacks import _replica_logs
 
 _LOG = logging.getLogger(__name__)
 _PREFIX = _replica_logs.PREFIX

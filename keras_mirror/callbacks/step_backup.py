@@ -29,7 +29,7 @@ import keras
 import numpy as np
 import tensorflow as tf
 
-from keras_mirror import _preemption
+from keras_mirror.distribute import _preemption
 
 _FILE = "step_backup.npz"
 

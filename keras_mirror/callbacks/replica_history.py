@@ -1,214 +1,24 @@
-"""Routing per-replica vectors through Keras callbacks.
+"""`ReplicaHistory`: the per-replica vectors of every step and epoch.
 
-`train_step` returns, beside the usual global keys, vectors of length
-`num_replicas` under the keys `replica_*` (and `val_replica_*` after
-validation). A project that only adds the wrap must see the logs it saw
-before: `ReplicaCallbackList` hands every callback the logs without the
-vectors (so `History`, `CSVLogger`, `ProgbarLogger`, Keras's `TensorBoard`
-and the user's own callbacks get exactly plain Keras's keys), except the
-callbacks that opt in with the class attribute `wants_replica_logs = True`:
-`ReplicaHistory`, `ReplicaTensorBoard`, and any user callback that sets it.
+`MirroredModel.fit` puts it first in the callback list (through
+`_replica_logs.ReplicaCallbackList`); it fills `mirrored.replica_history`
+and acts on a non-finite loss or gradient as `on_nonfinite` asks.
 """
 
 import bisect
 import collections.abc
-import functools
 import operator
-import re
-import sys
 import warnings
-import weakref
 
 import keras
 import numpy as np
 
 from keras_mirror import errors
+from keras_mirror.callbacks import _replica_logs
+from keras_mirror.callbacks._replica_logs import PREFIX
 
-PREFIX = "replica_"
-# Keras prefixes validation logs with `val_`.
-_PREFIXES = (PREFIX, "val_" + PREFIX)
-# The built-in train step's per-replica statistics, in this order.
-STAT_KEYS = (
-    "replica_loss",
-    "replica_samples",
-    "replica_sample_weight",
-    "replica_grad_norm",
-    "replica_nonfinite",
-    "replica_step_time",
-)
-# The train step returns them as one float32 matrix under this key, one row
-# per replica and one column per `STAT_KEYS` entry: one output tensor and one
-# device-to-host copy per step instead of six, which measured ~5% of a 2 ms
-# step (`benchmarks/README.md`). `unpacking` splits it back into the
-# `replica_*` vectors before Keras or any callback sees the logs.
-PACKED = "_replica_stats"
 # How each per-step vector turns into an epoch value per replica.
 _EPOCH_SUM = ("replica_samples", "replica_sample_weight", "replica_nonfinite")
-
-
-def strip(logs):
-    """`logs` without the per-replica vectors."""
-    if not logs:
-        return logs
-    return {k: v for k, v in logs.items() if not k.startswith(_PREFIXES)}
-
-
-def wants_replica_logs(callback):
-    """Whether `callback` opted in to the per-replica vectors.
-
-    A callback opts in with a true class (or instance) attribute
-    `wants_replica_logs`; every other callback sees plain Keras's logs.
-    """
-    return bool(getattr(callback, "wants_replica_logs", False))
-
-
-class ReplicaCallbackList(keras.callbacks.CallbackList):
-    """A `CallbackList` that gives the replica vectors only to opted-in ones.
-
-    Callbacks with `wants_replica_logs = True` get the logs with the
-    `replica_*` vectors; all others (`History`, `CSVLogger`, the progress
-    bar, Keras's `TensorBoard`, yours by default) get the logs plain Keras
-    would give them.
-    """
-
-    _notice = ""  # the first-step line on screen, if any
-    _first_step = False  # until the first step of a `fit` ends
-
-    def _dispatch(self, hook, *args, logs=None):
-        stripped = None
-        for callback in self.callbacks:
-            if wants_replica_logs(callback):
-                cb_logs = logs
-            else:
-                if stripped is None:
-                    stripped = strip(logs)
-                cb_logs = stripped
-            getattr(callback, hook)(*args, logs=cb_logs)
-
-    def on_train_begin(self, logs=None):
-        self._first_step = True
-        super().on_train_begin(logs)
-
-    def on_train_batch_begin(self, batch, logs=None):
-        super().on_train_batch_begin(batch, logs)
-        if self._first_step and not self._notice:
-            self._notice = first_step_notice(self.callbacks, self.model)
-
-    def on_train_batch_end(self, batch, logs=None):
-        if self._first_step:
-            self._first_step = False
-            if self._notice:
-                _erase(self._notice)
-                self._notice = ""
-            function = getattr(self.model, "train_function", None)
-            if function is not None:
-                _TRACED[self.model] = weakref.ref(function)
-        self._dispatch("on_train_batch_end", batch, logs=_numpy(logs))
-
-    def on_test_batch_end(self, batch, logs=None):
-        self._dispatch("on_test_batch_end", batch, logs=_numpy(logs))
-
-    def on_predict_batch_end(self, batch, logs=None):
-        self._dispatch("on_predict_batch_end", batch, logs=logs)
-
-    def on_epoch_end(self, epoch, logs=None):
-        self._dispatch("on_epoch_end", epoch, logs=_numpy(logs))
-
-    def on_test_end(self, logs=None):
-        self._dispatch("on_test_end", logs=_numpy(logs))
-
-    def on_train_end(self, logs=None):
-        self._dispatch("on_train_end", logs=_numpy(logs))
-
-
-# model -> weak reference to the train function whose first step ran.
-_TRACED = weakref.WeakKeyDictionary()
-NOTICE = "tracing the training step (once per compile)"
-
-
-def first_step_notice(callbacks, model):
-    """Shows one progress-bar line while the first step traces, or "".
-
-    The first step of a new train function traces and compiles the graph,
-    which takes seconds (15 s for the demo on 2 shared cores) before Keras's
-    progress bar shows anything. With a `verbose=1` progress bar this prints
-    `0/steps ━━━━ tracing the training step ...` in the bar's own style,
-    without a newline: the bar's first update overwrites it. Returns the
-    text printed ("" when nothing was).
-    """
-    bars = [c for c in callbacks
-            if isinstance(c, keras.callbacks.ProgbarLogger)
-            and c.verbose == 1]
-    function = getattr(model, "train_function", None)
-    seen = _TRACED.get(model) if model is not None else None
-    if not bars or function is None or (seen and seen() is function):
-        return ""
-    if not keras.config.is_interactive_logging_enabled():
-        return ""
-    target = bars[0].target
-    if target:
-        text = (f"\x1b[1m{0:>{len(str(target))}}/{target}\x1b[0m "
-                f"\x1b[37m{'━' * 20}\x1b[0m {NOTICE}")
-    else:
-        text = f"{0:>7}/Unknown {NOTICE}"
-    sys.stdout.write(text)
-    sys.stdout.flush()
-    return text
-
-
-def _erase(text):
-    """Blanks the notice's line for the progress bar's first update."""
-    visible = re.sub(r"\x1b\[[0-9;]*m", "", text)
-    sys.stdout.write("\r" + " " * len(visible) + "\r")
-    sys.stdout.flush()
-
-
-def unpack(logs, keys=STAT_KEYS):
-    """`logs` with the packed statistics split into `replica_*` vectors.
-
-    `keys` name the packed matrix's columns (`MirroredModel(replica_stats=
-    False)` packs fewer).
-    """
-    if not isinstance(logs, dict) or PACKED not in logs:
-        return logs
-    logs = dict(logs)
-    columns = np.ascontiguousarray(np.asarray(logs.pop(PACKED)).T)
-    if len(columns) != len(keys):
-        raise ValueError(
-            f"The packed per-replica statistics have {len(columns)} "
-            f"columns; expected one per key of {keys}.")
-    for key, column in zip(keys, columns):
-        logs[key] = column
-    return logs
-
-
-def unpacking(function, keys=STAT_KEYS):
-    """Wraps a Keras train function so that its logs come unpacked."""
-    if function is None or getattr(function, "_unpacks_replica_stats",
-                                   False):
-        return function
-
-    @functools.wraps(function)
-    def call(*args, **kwargs):
-        return unpack(function(*args, **kwargs), keys)
-
-    call._unpacks_replica_stats = True
-    return call
-
-
-def _numpy(logs):
-    if logs is None:
-        return None
-    out = {}
-    for k, v in logs.items():
-        if type(v) is not np.ndarray or v.ndim == 0:  # vectors pass as is
-            if hasattr(v, "numpy"):
-                v = v.numpy()
-            if isinstance(v, np.generic) or (
-                    isinstance(v, np.ndarray) and v.ndim == 0):
-                v = float(v)
-        out[k] = v
-    return out
 
 
 class StepHistory(collections.abc.Sequence):
@@ -398,3 +208,16 @@ def epoch_aggregates(keys, values):
         else:
             out[key] = values.mean(axis=0)
     return out
+
+
+def callback_list(mirrored, callbacks, verbose, epochs, steps):
+    """`fit`'s callback list: `ReplicaHistory` first, logs routed.
+
+    A `CallbackList` given by the caller is used as it is.
+    """
+    if isinstance(callbacks, keras.callbacks.CallbackList):
+        return callbacks
+    callbacks = [ReplicaHistory(mirrored)] + list(callbacks or [])
+    return _replica_logs.ReplicaCallbackList(
+        callbacks, add_history=True, add_progbar=verbose != 0,
+        verbose=verbose, epochs=epochs, steps=steps, model=mirrored)

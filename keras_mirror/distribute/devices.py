@@ -63,7 +63,7 @@ def logical_cpus(n):
 
 def _check_worker_cpus(current, n):
     """Names the variable to set when `import keras_mirror` set up a worker."""
-    from keras_mirror import _multi_worker
+    from keras_mirror.distribute import _multi_worker
 
     if _multi_worker.initialized_devices() is None:
         return
@@ -212,7 +212,7 @@ def _start_cluster_from_env(n):
     done so unless `KERAS_MIRROR_INIT=0`); `MirroredModel` then finds it in
     the cache.
     """
-    from keras_mirror import _multi_worker
+    from keras_mirror.distribute import _multi_worker
 
     _multi_worker.init(cpus_per_worker=n)
 

@@ -26,7 +26,7 @@ import threading
 
 import tensorflow as tf
 
-from keras_mirror._multi_worker import PREEMPTED_EXIT_CODE
+from keras_mirror.distribute._multi_worker import PREEMPTED_EXIT_CODE
 
 _AGREE = {}
 

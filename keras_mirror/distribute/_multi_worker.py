@@ -22,8 +22,8 @@ plan; with `worker_input="shard"` each worker reads only those rows (see
 import os
 import sys
 
-from keras_mirror import cluster as cluster_lib
 from keras_mirror import errors
+from keras_mirror.distribute import cluster as cluster_lib
 
 WORKER_INPUT_MODES = ("replicate", "shard")
 INIT_ENV = "KERAS_MIRROR_INIT"
@@ -207,7 +207,7 @@ def init(cluster=None, cpus_per_worker=None):
     if _state["spec"] == spec and cpus_per_worker is None:
         return spec
     devices = _worker_devices(cpus)  # another cluster or count: refused
-    from keras_mirror import devices as devices_lib
+    from keras_mirror.distribute import devices as devices_lib
 
     devices_lib.multi_worker_strategy(spec, devices)
     _state.update(spec=spec, devices=devices)

@@ -41,13 +41,14 @@ import keras
 import tensorflow as tf
 
 from keras_mirror import _compat
-from keras_mirror import _metric_weights
-from keras_mirror import _scope
 from keras_mirror import allreduce
 from keras_mirror import split
 from keras_mirror.replica_context import ReplicaContext
 from keras_mirror.replica_context import activate
 from keras_mirror.replica_context import active
+from keras_mirror.steps import _metric_weights
+from keras_mirror.steps import _scope
+from keras_mirror.steps import arithmetic
 
 PREFIX = "replica_"
 
@@ -214,11 +215,9 @@ def _run(mirrored, data, method):
         return _vectors(out, method, sources), samples
 
     if mirrored.execution == "in_graph":
-        from keras_mirror import _graph_steps
-
         outs = []
         # Every replica starts from the same state (seed generators).
-        guard = _graph_steps._StateGuard(mirrored._inner, n)
+        guard = arithmetic.StateGuard(mirrored._inner, n)
         with _scope.replica_scope(mirrored):
             for r, (device, shard) in enumerate(zip(
                     mirrored.devices, mirrored._in_graph_shards(tensors,

@@ -3,8 +3,8 @@
 import contextlib
 
 from keras_mirror import _compat
-from keras_mirror import _metric_weights
-from keras_mirror import _random
+from keras_mirror.steps import _metric_weights
+from keras_mirror.steps import _random
 
 
 @contextlib.contextmanager

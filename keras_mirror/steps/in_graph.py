@@ -4,11 +4,11 @@
 CPUs on one host, and for a single device) keeps one copy of the variables,
 on the first device, and builds each step as one TensorFlow graph in which
 replica `r`'s forward and backward pass run under `tf.device(devices[r])` on
-its shard. It shares every rule of the `tf.distribute` path (`_steps.py`):
+its shard. It shares every rule of the `tf.distribute` path (`arithmetic.py`):
 
 - the same split plan (`split.sizes_tensor`), so `split_plan` holds;
 - the same loss weighting, `(S_r - W) * b_r / B + W * [r == 0]`
-  (`_steps.contribution`);
+  (`arithmetic.contribution`);
 - the same sum of the replicas' gradients, here an in-graph `add_n` on the
   variables' device, in `gradient_dtype` when one is set;
 - one optimizer update, skipped on all replicas for a non-finite step;
@@ -34,15 +34,15 @@ import contextlib
 import keras
 import tensorflow as tf
 
-from keras_mirror import _reductions
-from keras_mirror import _replica_logs
-from keras_mirror import _scope
-from keras_mirror import _sparse
-from keras_mirror import _steps
 from keras_mirror import allreduce
 from keras_mirror import split
+from keras_mirror.callbacks import _replica_logs
 from keras_mirror.replica_context import ReplicaContext
 from keras_mirror.replica_context import activate
+from keras_mirror.steps import _reductions
+from keras_mirror.steps import _scope
+from keras_mirror.steps import _sparse
+from keras_mirror.steps import arithmetic
 
 _NO_REDUCE = (
     "`replica_context().all_reduce_*` is not available on the 'in_graph' "
@@ -71,12 +71,12 @@ def _loss(mirrored, x, y, y_pred, sw, training):
 
 
 def _contribution(mirrored, shard_loss, extras, count, total, first):
-    """`_steps.contribution`, with the batch-sum terms weighted 1."""
+    """`arithmetic.contribution`, with the batch-sum terms weighted 1."""
     reductions = getattr(mirrored, "_reductions", None)
     summed = (reductions.sum_terms(shard_loss, extras)
               if reductions is not None else 0.0)
-    return _steps.contribution(
-        shard_loss - summed, _steps._weight_regularization(mirrored._inner),
+    return arithmetic.contribution(
+        shard_loss - summed, arithmetic.weight_regularization(mirrored._inner),
         count, total, first) + summed
 
 
@@ -86,50 +86,19 @@ def _concat(parts, masks=None):
         return parts[0]
     joined = tf.nest.map_structure(lambda *p: tf.concat(p, axis=0), *parts)
     if masks and masks[0] is not None:
-        _steps.with_mask(joined, tf.concat(masks, axis=0))
+        arithmetic.with_mask(joined, tf.concat(masks, axis=0))
     return joined
 
 
 def _shares(masks, shard_rows, rows):
     """Each shard's count to weight its loss by, and their total.
 
-    Rows, or a masked output's unmasked entries (`_steps.output_mask`).
+    Rows, or a masked output's unmasked entries (`arithmetic.output_mask`).
     """
     if masks[0] is None:
         return shard_rows, rows
-    counts = [_steps.unmasked_entries(m) for m in masks]
+    counts = [arithmetic.unmasked_entries(m) for m in masks]
     return counts, tf.add_n(counts)
-
-
-class _StateGuard:
-    """Gives every replica the same starting non-trainable state.
-
-    Each shard's forward pass may write non-trainable variables (moving
-    statistics). The guard reads them before the first shard, records what
-    replica 0 wrote, restores the starting values before every later shard,
-    and finally keeps replica 0's values, as the `tf.distribute` path does.
-    """
-
-    def __init__(self, model, num_replicas):
-        # One replica's writes are the state kept: nothing to guard.
-        self._variables = (list(model.non_trainable_variables)
-                           if num_replicas > 1 else [])
-        self._start = [tf.identity(v.value) for v in self._variables]
-        self._first = None
-
-    def after_replica(self, r):
-        if not self._variables:
-            return
-        if r == 0:
-            self._first = [tf.identity(v.value) for v in self._variables]
-        for v, value in zip(self._variables, self._start):
-            v.assign(value)
-
-    def finish(self):
-        if not self._variables:
-            return
-        for v, value in zip(self._variables, self._first):
-            v.assign(value)
 
 
 def _sum_gradients(per_replica, variables, gradient_dtype, device):
@@ -191,7 +160,7 @@ def _forward(mirrored, packed, present, rows, training, guard=None):
     """Runs each replica's forward pass and loss on its device, in order.
 
     With `training`, each pass is recorded on its own tape; `guard` (a
-    `_StateGuard`) gives each replica the same starting state.
+    `arithmetic.StateGuard`) gives each replica the same starting state.
     """
     inner = mirrored._inner
     many = len(mirrored.devices) > 1
@@ -201,7 +170,7 @@ def _forward(mirrored, packed, present, rows, training, guard=None):
                 zip(mirrored.devices, _shards(mirrored, packed, rows))):
             xr, yr, swr = mirrored._unpack(shard, present)
             with tf.device(device):
-                shard_rows = _steps._batch_size(xr)
+                shard_rows = arithmetic.batch_rows(xr)
                 tape = tf.GradientTape() if training else None
                 with (tape or contextlib.nullcontext()), _context(
                         mirrored, r, shard_rows, rows, offset):
@@ -212,20 +181,20 @@ def _forward(mirrored, packed, present, rows, training, guard=None):
                 guard.after_replica(r)
             shards.append(_Shard(
                 device, shard_rows, swr, tape, y_pred, loss, extras,
-                _steps.output_mask(y_pred) if many else None))
+                arithmetic.output_mask(y_pred) if many else None))
     return shards
 
 
 def train_step(mirrored, data):
     x, y, sw = keras.utils.unpack_x_y_sample_weight(data)
-    rows = _steps._batch_size(x)
+    rows = arithmetic.batch_rows(x)
     packed, present = mirrored._pack(x, y, sw)
     inner = mirrored._inner
     optimizer = inner.optimizer
     variables = inner.trainable_weights
-    guard = _StateGuard(inner, len(mirrored.devices))
+    guard = arithmetic.StateGuard(inner, len(mirrored.devices))
     keys = mirrored._stat_keys()
-    start, packed = _steps.step_start(packed, keys)
+    start, packed = arithmetic.step_start(packed, keys)
     n = len(mirrored.devices)
     # Forward passes first: a masked output's shares need every shard's
     # count of unmasked entries. Each replica's tape is entered again to
@@ -246,15 +215,15 @@ def train_step(mirrored, data):
                 scaled = optimizer.scale_loss(contribution)
             g = shard.tape.gradient(scaled, variables)
             if r > 0:  # replica 0 holds a row of every non-empty batch
-                g = _steps.zero_if_empty(g, shard.rows)
-            stats.append(_steps.compute_stats(keys, start, g, shard.loss,
+                g = arithmetic.zero_if_empty(g, shard.rows)
+            stats.append(arithmetic.compute_stats(keys, start, g, shard.loss,
                                               shard.rows, shard.sw))
         grads.append(g)
         contributions.append(contribution)
     guard.finish()
     home = mirrored.devices[0]
     with tf.device(home):
-        packed_stats = _steps.pack_stats(stats, keys) if keys else None
+        packed_stats = arithmetic.pack_stats(stats, keys) if keys else None
     reduced = _sum_gradients(grads, variables, mirrored._gradient_dtype,
                              home)
     with tf.device(home):
@@ -279,7 +248,7 @@ def train_step(mirrored, data):
 
 def test_step(mirrored, data):
     x, y, sw = keras.utils.unpack_x_y_sample_weight(data)
-    rows = _steps._batch_size(x)
+    rows = arithmetic.batch_rows(x)
     packed, present = mirrored._pack(x, y, sw)
     shards = _forward(mirrored, packed, present, rows, False)
     counts, total = _shares([s.mask for s in shards],
@@ -299,12 +268,12 @@ def test_step(mirrored, data):
 def predict_step(mirrored, data):
     x, _, _ = keras.utils.unpack_x_y_sample_weight(data)
     preds = []
-    rows = _steps._batch_size(x)
+    rows = arithmetic.batch_rows(x)
     with _scope.replica_scope(mirrored):
         for r, (device, (shard, offset)) in enumerate(
                 zip(mirrored.devices, _shards(mirrored, x, rows))):
             with tf.device(device), _context(
-                    mirrored, r, _steps._batch_size(shard), rows, offset):
+                    mirrored, r, arithmetic.batch_rows(shard), rows, offset):
                 preds.append(mirrored._inner(shard, training=False))
     with tf.device(mirrored.devices[0]):
         return _concat(preds)

@@ -1,0 +1,121 @@
+"""`MirroredModel`'s read-only attributes: replicas, devices, cluster.
+
+A mixin of `MirroredModel` (as Keras's `Model` takes `fit` from its
+`Trainer`): what a wrapper is, once built, without how it trains.
+"""
+
+from keras_mirror import allreduce
+from keras_mirror import split
+from keras_mirror.distribute import _multi_worker
+from keras_mirror.steps import _execution
+
+
+class ReplicaAttributes:
+    """The public read-only attributes of `MirroredModel`."""
+
+    @property
+    def num_replicas(self):
+        """The number of replicas (devices) in sync."""
+        if self._execution == "in_graph":
+            return len(self._devices)
+        return self._strategy.num_replicas_in_sync
+
+    @property
+    def execution(self):
+        """The execution path: `"in_graph"` or `"strategy"` (see `summary`)."""
+        return self._execution
+
+    @property
+    def num_workers(self):
+        """Worker processes in the cluster; 1 without a cluster."""
+        return 1 if self._cluster is None else self._cluster.num_workers
+
+    @property
+    def is_chief(self):
+        """Whether this process writes saves, backups and summaries."""
+        return self._cluster is None or self._cluster.is_chief
+
+    @property
+    def local_replica_ids(self):
+        """Global ids of the replicas this worker hosts, in order.
+
+        Worker `w` (its position in the cluster, chief first) hosts
+        `w * n_local ... (w + 1) * n_local - 1`.
+        """
+        n_local = len(self._devices)
+        first = _multi_worker.worker_position(self._cluster) * n_local
+        return tuple(range(first, first + n_local))
+
+    @property
+    def worker_input(self):
+        """How input is divided between workers (see `MirroredModel`)."""
+        return self._worker_input
+
+    @property
+    def devices(self):
+        """The replicas' device names, in replica order."""
+        return self._devices
+
+    @property
+    def strategy(self):
+        """The `tf.distribute` strategy the replicas run on.
+
+        `MirroredStrategy` (or `MultiWorkerMirroredStrategy`) on the
+        `"strategy"` path, whose variables get a mirrored twin during each
+        wrapper call; the default strategy on the `"in_graph"` path, whose
+        variables are the model's own, used as they are.
+        """
+        return self._strategy
+
+    @property
+    def replica_stats(self):
+        """Whether training steps compute the per-replica statistics."""
+        return self._replica_stats
+
+    @property
+    def batch_mode(self):
+        """`"global"` or `"per_replica"`."""
+        return self._batch_mode
+
+    @property
+    def allreduce_bytes_per_step(self):
+        """Bytes each replica sends into the gradient all-reduce per step.
+
+        Counts every gradient at its variable's dense size, in
+        `gradient_dtype` when set. A sparse gradient (an `Embedding`'s) is
+        all-gathered instead, and sends what the replica's shard looked up:
+        its rows' values plus an index each, which depends on the batch and
+        can be less or more than the dense size.
+        """
+        return allreduce.bytes_per_step(self.trainable_weights,
+                                        self._gradient_dtype)
+
+    def split_plan(self, batch_size, replica_batch_size=None):
+        """Rows each replica receives, in replica order.
+
+        Args:
+            batch_size: int. Rows in one global batch (in `"per_replica"`
+                mode: the rows of the `N` joined replica batches).
+            replica_batch_size: int or None. In `"per_replica"` mode, the
+                rows of a full replica batch; default `batch_size // N`
+                rounded up.
+
+        Returns:
+            A tuple of `num_replicas` ints that sums to `batch_size`.
+        """
+        if isinstance(batch_size, bool) or not isinstance(batch_size, int) \
+                or batch_size < 0:
+            raise ValueError(
+                "`batch_size` must be a non-negative integer. "
+                f"Received: batch_size={batch_size!r}")
+        n = self.num_replicas
+        if self._batch_mode == "global":
+            return split.balanced_sizes(batch_size, n)
+        capacity = replica_batch_size or -(-batch_size // n)
+        return split.fill_sizes(batch_size, n, capacity)
+
+    @property
+    def execution_summary(self):
+        """One line: which execution path runs, and why."""
+        return _execution.describe(self._execution, self._execution_reason,
+                                   self._devices, self._strategy)

@@ -1,0 +1,73 @@
+"""Routes each Keras step to the execution path the wrapper runs.
+
+`StepDispatch` is the step half of `MirroredModel`: Keras calls its
+`train_step`, `test_step` and `predict_step`, which go to the model's own
+step (`own_step`), the one-graph path (`in_graph`) or the `tf.distribute`
+path (`strategy.ReplicaSteps`, the base class). The paths share
+`shards`; none of them imports this module.
+"""
+
+from keras_mirror.callbacks import _replica_logs
+from keras_mirror.distribute import _worker_input
+from keras_mirror.steps import in_graph
+from keras_mirror.steps import own_step
+from keras_mirror.steps import strategy
+
+
+class StepDispatch(strategy.ReplicaSteps):
+    """The Keras step methods of `MirroredModel`, one path per wrapper."""
+
+    def _stat_keys(self):
+        """The built-in step's `replica_*` statistics, in packed order.
+
+        Read when the step is traced (as `on_nonfinite` is).
+        """
+        if self._replica_stats:
+            return _replica_logs.STAT_KEYS
+        if self.on_nonfinite != "warn":
+            return ("replica_nonfinite",)
+        return ()
+
+    @property
+    def metrics(self):
+        """The wrapped model's metrics (Keras resets them every epoch)."""
+        inner = self.__dict__.get("_inner")
+        if inner is None or not getattr(inner, "compiled", False):
+            return super().metrics
+        return inner.metrics
+
+    def train_step(self, data):
+        data = _worker_input.assemble(self, data)
+        if self._custom_step:
+            return own_step.train_step(self, data)
+        if self._execution == "in_graph":
+            return in_graph.train_step(self, data)
+        return super().train_step(data)
+
+    def make_train_function(self, force=False):
+        """Keras's train function, returning the `replica_*` vectors.
+
+        The built-in step packs its per-replica statistics into one tensor
+        (`_replica_logs.PACKED`); the returned function splits it, so every
+        caller of `train_function` (fit, train_on_batch) sees the vectors.
+        """
+        if self.train_function is not None and not force:
+            return self.train_function
+        super().make_train_function(force=force)
+        self.train_function = _replica_logs.unpacking(
+            self.train_function, self._stat_keys())
+        return self.train_function
+
+    def test_step(self, data):
+        if own_step.overrides(self._inner, "test_step"):
+            return own_step.test_step(self, data)
+        if self._execution == "in_graph":
+            return in_graph.test_step(self, data)
+        return super().test_step(data)
+
+    def predict_step(self, data):
+        if own_step.overrides(self._inner, "predict_step"):
+            return own_step.predict_step(self, data)
+        if self._execution == "in_graph":
+            return in_graph.predict_step(self, data)
+        return super().predict_step(data)

@@ -1,0 +1,272 @@
+"""The `"strategy"` execution path: one replica step per device.
+
+`ReplicaSteps` is the `tf.distribute` half of `MirroredModel`'s steps: the
+global batch is split by the plan (`split`), each replica runs its shard
+under `strategy.run` on its own copy of the variables, the loss
+contributions (`arithmetic.contribution`) are differentiated per replica and
+the gradients summed by one explicit all-reduce (`allreduce`), then
+applied once.
+"""
+
+import keras
+import tensorflow as tf
+
+from keras_mirror import _compat
+from keras_mirror import allreduce
+from keras_mirror import split
+from keras_mirror.callbacks import _replica_logs
+from keras_mirror.replica_context import ReplicaContext
+from keras_mirror.replica_context import activate
+from keras_mirror.steps import _reductions
+from keras_mirror.steps import _scope
+from keras_mirror.steps import arithmetic
+
+
+class ReplicaSteps:
+    """Mixin of `MirroredModel` holding its `train/test/predict_step`."""
+
+    # -- splitting ---------------------------------------------------------
+
+    def _plan_sizes(self, batch_size):
+        return split.sizes_tensor(batch_size, self.num_replicas,
+                                  self._capacity)
+
+    def _distribute(self, data, sizes):
+        """Slices each leaf of `data` into the replicas' shards."""
+        offsets = split.offsets_tensor(sizes)
+
+        def shard(ctx):
+            r = ctx.replica_id_in_sync_group
+            return tf.nest.map_structure(
+                lambda t: arithmetic.dynamic_rows(
+                    t[offsets[r]:offsets[r] + sizes[r]]),
+                data)
+
+        return self._strategy.experimental_distribute_values_from_function(
+            shard)
+
+    def _gather(self, per_replica):
+        """Concatenates per-replica tensors (a structure) in replica order."""
+        if self._multi_worker:
+            # `gather` runs in the strategy's cross-replica context; it
+            # concatenates every worker's replicas in global replica order.
+            with self._strategy.scope():
+                return tf.nest.map_structure(
+                    lambda v: self._strategy.gather(v, axis=0), per_replica)
+        local = self._strategy.experimental_local_results(per_replica)
+        return tf.nest.map_structure(
+            lambda *parts: tf.concat(parts, axis=0), *local)
+
+
+    def _first(self, per_replica):
+        return self._strategy.experimental_local_results(per_replica)[0]
+
+    def _in_graph_shards(self, data, rows):
+        """`data`'s shards, each sliced on its replica's device (in_graph)."""
+        if len(self._devices) == 1:  # the plan is the whole batch
+            return [data]
+        sizes = self._plan_sizes(rows)
+        offsets = split.offsets_tensor(sizes)
+        shards = []
+        for r, device in enumerate(self._devices):
+            with tf.device(device):
+                shards.append(tf.nest.map_structure(
+                    lambda t, r=r: arithmetic.dynamic_rows(
+                        t[offsets[r]:offsets[r] + sizes[r]]), data))
+        return shards
+
+    @staticmethod
+    def _pack(x, y, sw):
+        """Drops the None parts; returns (present parts, which were there)."""
+        parts = (x, y, sw)
+        present = tuple(p is not None for p in parts)
+        return tuple(p for p in parts if p is not None), present
+
+    @staticmethod
+    def _unpack(packed, present):
+        it = iter(packed)
+        return tuple(next(it) if p else None for p in present)
+
+    def _context(self, global_rows, x, offsets):
+        """Makes `replica_context()` describe this replica in its step."""
+        r = tf.distribute.get_replica_context().replica_id_in_sync_group
+        return activate(ReplicaContext(
+            r, self.num_replicas, arithmetic.batch_rows(x), global_rows,
+            distributed=True, options=self._comm_options,
+            gradient_dtype=self._gradient_dtype,
+            offset=tf.gather(offsets, r)))
+
+    # -- losses ------------------------------------------------------------
+
+    def _replica_loss(self, x, y, y_pred, sw, training, global_rows,
+                      mask=None):
+        """Returns (contribution to the global loss, shard loss)."""
+        ctx = tf.distribute.get_replica_context()
+        # Losses are not divided by the replica count in a step
+        # (`_compat.unscaled_losses`): this is one device's loss of the shard.
+        shard = tf.cast(_reductions.compute_loss(
+            self._inner, x, y, y_pred, sw, training), tf.float32)
+        first = tf.equal(ctx.replica_id_in_sync_group, 0)
+        if mask is None:
+            count, total = arithmetic.batch_rows(x), global_rows
+        else:
+            count = arithmetic.unmasked_entries(mask)
+            total = ctx.all_reduce(tf.distribute.ReduceOp.SUM, count)
+        return self._contribution(shard, count, total, first), shard
+
+    def _contribution(self, shard, count, total, first):
+        """`arithmetic.contribution`; batch-sum terms (`_reductions`) whole.
+        """
+        reductions = getattr(self, "_reductions", None)
+        summed = (reductions.sum_terms(shard, self._inner.losses)
+                  if reductions is not None else 0.0)
+        reg = arithmetic.weight_regularization(self._inner)
+        return arithmetic.contribution(
+            shard - summed, reg, count, total, first) + summed
+
+    def _with_mask(self, y_pred, mask):
+        """`(y_pred, its mask)` to gather, noting whether there is one."""
+        self._output_masked = mask is not None
+        return (y_pred, mask) if mask is not None else y_pred
+
+    def _gather_predictions(self, y_pred):
+        gathered = self._gather(y_pred)
+        if getattr(self, "_output_masked", False):
+            return arithmetic.with_mask(*gathered)
+        return gathered
+
+    def _track(self, x, y, y_pred, sw, loss, rows):
+        """The global loss and metrics, on one device, as Keras logs them."""
+        tracker = _compat.loss_tracker(self._inner)
+        if tracker is not None:
+            tracker.update_state(loss, sample_weight=rows)
+        return dict(self._inner.compute_metrics(x, y, y_pred,
+                                                sample_weight=sw))
+
+    # -- train -------------------------------------------------------------
+
+    def _replica_train(self, packed, present, global_rows, start, offsets):
+        x, y, sw = self._unpack(packed, present)
+        rows = arithmetic.batch_rows(x)
+        keys = self._stat_keys()
+        variables = self._inner.trainable_weights
+        optimizer = self._inner.optimizer
+        with tf.GradientTape() as tape, self._context(global_rows, x,
+                                                      offsets):
+            y_pred = self._inner(x, training=True)
+            mask = arithmetic.output_mask(y_pred)
+            contribution, shard = self._replica_loss(
+                x, y, y_pred, sw, True, global_rows, mask)
+            scaled = optimizer.scale_loss(contribution)
+        grads = arithmetic.zero_if_empty(tape.gradient(scaled, variables), rows)
+        stats = arithmetic.compute_stats(keys, start, grads, shard, rows, sw)
+        reduced = allreduce.all_reduce_sum(
+            grads, self._comm_options, self._gradient_dtype)
+        ctx = tf.distribute.get_replica_context()
+        if self.on_nonfinite == "warn":
+            optimizer.apply(reduced, variables)
+        else:
+            total_nonfinite = ctx.all_reduce(tf.distribute.ReduceOp.SUM,
+                                             stats["replica_nonfinite"])
+            self._apply(reduced, variables, total_nonfinite)
+        loss = ctx.all_reduce(tf.distribute.ReduceOp.SUM, contribution)
+        packed = arithmetic.pack_stats([stats], keys) if keys else None
+        return self._with_mask(y_pred, mask), loss, packed
+
+    def _apply(self, grads, variables, total_nonfinite):
+        """Applies the all-reduced gradients once, or skips a bad step.
+
+        For `on_nonfinite` "skip_step" and "raise": a non-finite value on
+        any replica skips the update on all of them.
+        """
+
+        def cross_replica(strategy, grads, total):
+            finite = tf.equal(
+                strategy.experimental_local_results(total)[0], 0)
+
+            def apply_on_each():
+                strategy.extended.call_for_each_replica(
+                    lambda g: self._inner.optimizer.apply(g, variables),
+                    args=(grads,))
+
+            # A cond whose branch calls `merge_call` must run in the
+            # cross-replica context (as Keras's LossScaleOptimizer does).
+            tf.cond(finite, apply_on_each, lambda: None)
+
+        tf.distribute.get_replica_context().merge_call(
+            cross_replica, args=(grads, total_nonfinite))
+
+    def train_step(self, data):
+        x, y, sw = keras.utils.unpack_x_y_sample_weight(data)
+        rows = arithmetic.batch_rows(x)
+        packed, present = self._pack(x, y, sw)
+        start, packed = arithmetic.step_start(packed, self._stat_keys())
+        sizes = self._plan_sizes(rows)
+        shards = self._distribute(packed, sizes)
+        offsets = split.offsets_tensor(sizes)
+        with _scope.replica_scope(self):
+            y_pred, loss, stats = self._strategy.run(
+                self._replica_train,
+                args=(shards, present, rows, start, offsets))
+        self._sync_state()
+        y_pred = self._gather_predictions(y_pred)
+        logs = self._track(x, y, y_pred, sw, self._first(loss), rows)
+        if stats is not None:
+            logs[_replica_logs.PACKED] = self._gather(stats)
+        return logs
+
+    def _sync_state(self):
+        """Copies replica 0's non-trainable state to the other replicas.
+
+        Each replica writes its own copy of state such as BatchNorm's
+        moving statistics (TF's mirrored variables with aggregation
+        "none"); Keras reads, saves and checkpoints the first copy. Copying
+        it to the others keeps every replica's evaluation and prediction on
+        the same state (the `in_graph` path's semantics), and keeps the NaN
+        statistics of an empty shard from surviving the step.
+        """
+        for v in self._inner.non_trainable_variables:
+            copies = self._strategy.experimental_local_results(v.value)
+            for copy in copies[1:]:
+                copy.assign(copies[0])
+
+    # -- test and predict --------------------------------------------------
+
+    def _replica_test(self, packed, present, global_rows, offsets):
+        x, y, sw = self._unpack(packed, present)
+        with self._context(global_rows, x, offsets):
+            y_pred = self._inner(x, training=False)
+            mask = arithmetic.output_mask(y_pred)
+            contribution, shard = self._replica_loss(
+                x, y, y_pred, sw, False, global_rows, mask)
+        ctx = tf.distribute.get_replica_context()
+        loss = ctx.all_reduce(tf.distribute.ReduceOp.SUM, contribution)
+        return self._with_mask(y_pred, mask), loss
+
+    def test_step(self, data):
+        x, y, sw = keras.utils.unpack_x_y_sample_weight(data)
+        rows = arithmetic.batch_rows(x)
+        packed, present = self._pack(x, y, sw)
+        sizes = self._plan_sizes(rows)
+        shards = self._distribute(packed, sizes)
+        offsets = split.offsets_tensor(sizes)
+        with _scope.replica_scope(self):
+            y_pred, loss = self._strategy.run(
+                self._replica_test, args=(shards, present, rows, offsets))
+        y_pred = self._gather_predictions(y_pred)
+        return self._track(x, y, y_pred, sw, self._first(loss), rows)
+
+    def _replica_predict(self, x, global_rows, offsets):
+        with self._context(global_rows, x, offsets):
+            return self._inner(x, training=False)
+
+    def predict_step(self, data):
+        x, _, _ = keras.utils.unpack_x_y_sample_weight(data)
+        rows = arithmetic.batch_rows(x)
+        sizes = self._plan_sizes(rows)
+        shards = self._distribute(x, sizes)
+        offsets = split.offsets_tensor(sizes)
+        with _scope.replica_scope(self):
+            out = self._strategy.run(self._replica_predict,
+                                     args=(shards, rows, offsets))
+        return self._gather(out)
