@@ -7,6 +7,7 @@ import sys
 
 import keras
 import pytest
+import tensorflow as tf
 from helpers import data
 from helpers import max_diff
 from helpers import mlp
@@ -92,3 +93,80 @@ def test_sigkilled_worker_resumes_to_uninterrupted_weights(tmp_path, capsys):
     assert [i["attempt"] for i in infos] == [1, 1]
     print(f"after SIGKILL + restart: max |w - w_single| = "
           f"{gap:.3g}")
+
+
+# -- issue 16, defect 1: resume where Keras's own iterator would be -------
+
+def _dropout_mlp():
+    keras.utils.set_random_seed(0)
+    return keras.Sequential([
+        keras.Input((6,)),
+        keras.layers.Dense(16, activation="tanh"),
+        keras.layers.Dropout(0.5),
+        keras.layers.Dense(3),
+    ])
+
+
+def _inputs(kind):
+    x, y, sw = data(45)
+    if kind == "arrays":
+        return dict(x=x, y=y, sample_weight=sw, batch_size=8, shuffle=False)
+    ds = tf.data.Dataset.from_tensor_slices((x, y, sw)).batch(8)
+    return dict(x=ds.repeat() if kind == "repeated" else ds)
+
+
+def _mirrored_fit(cpus, fit_kwargs, backup_dir=None, crash_at=None,
+                  build=mlp):
+    mirrored = keras_mirror.MirroredModel(build(), devices=cpus)
+    mirrored.compile(optimizer=keras.optimizers.Adam(0.01), loss="mse")
+    callbacks = []
+    if backup_dir is not None:
+        callbacks.append(StepBackup(backup_dir))
+    if crash_at is not None:
+        callbacks.append(_CrashAt(crash_at))
+    history = mirrored.fit(verbose=0, callbacks=callbacks, **fit_kwargs)
+    return mirrored, history
+
+
+def _interrupted_equals_uninterrupted(cpus, tmp_path, fit_kwargs, crash_at,
+                                      build=mlp):
+    reference, _ = _mirrored_fit(cpus, fit_kwargs, build=build)
+    keras.backend.clear_session()
+    with pytest.raises(_Crash):
+        _mirrored_fit(cpus, fit_kwargs, tmp_path, crash_at, build=build)
+    keras.backend.clear_session()
+    resumed, history = _mirrored_fit(cpus, fit_kwargs, tmp_path, build=build)
+    assert int(resumed.optimizer.iterations.numpy()) == \
+        int(reference.optimizer.iterations.numpy())
+    assert max_diff(reference.model.get_weights(),
+                    resumed.model.get_weights()) < 1e-5
+    return history
+
+
+@pytest.mark.timeout(90)
+def test_resume_with_validation_split(cpus, tmp_path):
+    # 36 training rows: 5 steps an epoch; the crash is in epoch 1.
+    fit_kwargs = dict(_inputs("arrays"), epochs=2, validation_split=0.2)
+    history = _interrupted_equals_uninterrupted(cpus, tmp_path, fit_kwargs,
+                                                crash_at=6)
+    assert len(history.history["val_loss"]) == 1  # the resumed epoch
+
+
+@pytest.mark.timeout(120)
+@pytest.mark.parametrize("kind,crash_at", [
+    ("arrays", 2), ("arrays", 5), ("finite", 2), ("repeated", 6)])
+def test_resume_with_steps_per_epoch_below_the_data(cpus, tmp_path, kind,
+                                                    crash_at):
+    # 6 batches, 4 steps an epoch: Keras carries its iterator across
+    # epochs (epoch 1 reads batches 4-5 of a finite input, 4-7 of a
+    # repeated one).
+    fit_kwargs = dict(_inputs(kind), epochs=3, steps_per_epoch=4)
+    _interrupted_equals_uninterrupted(cpus, tmp_path, fit_kwargs, crash_at)
+
+
+@pytest.mark.timeout(120)
+@pytest.mark.usefixtures("execution")
+def test_resume_with_dropout_restores_seed_generators(cpus, tmp_path):
+    fit_kwargs = dict(_inputs("arrays"), epochs=2)
+    _interrupted_equals_uninterrupted(cpus, tmp_path, fit_kwargs, crash_at=4,
+                                      build=_dropout_mlp)
