@@ -16,6 +16,7 @@ from test_multi_worker import _no_leftover_processes  # noqa: F401
 from test_multi_worker import assert_equal_single_device
 
 import keras_mirror
+from keras_mirror import errors
 from keras_mirror import launch as launch_lib
 from keras_mirror.callbacks.step_backup import StepBackup
 
@@ -170,3 +171,84 @@ def test_resume_with_dropout_restores_seed_generators(cpus, tmp_path):
     fit_kwargs = dict(_inputs("arrays"), epochs=2)
     _interrupted_equals_uninterrupted(cpus, tmp_path, fit_kwargs, crash_at=4,
                                       build=_dropout_mlp)
+
+
+# -- issue 16, defects 4-6: bad backups, bad directories, finished runs ----
+
+def _weights(mirrored):
+    return [w.copy() for w in mirrored.model.get_weights()]
+
+
+def _wide_mlp():
+    keras.utils.set_random_seed(0)
+    return keras.Sequential([keras.Input((6,)), keras.layers.Dense(8),
+                             keras.layers.Dense(3)])
+
+
+def test_backup_of_other_shapes_assigns_nothing(cpus, tmp_path):
+    fit_kwargs = dict(_inputs("arrays"), epochs=1)
+    with pytest.raises(_Crash):
+        _mirrored_fit(cpus, fit_kwargs, tmp_path, crash_at=2)
+    mirrored = keras_mirror.MirroredModel(_wide_mlp(), devices=cpus)
+    mirrored.compile(optimizer=keras.optimizers.Adam(0.01), loss="mse")
+    mirrored.build((None, 6))
+    before = _weights(mirrored)
+    path = str(tmp_path / "step_backup.npz")
+    with pytest.raises(
+            errors.StepBackupError,
+            match=f"The step backup '{path}' does not match this model and "
+                  "optimizer: variable 'sequential_1/dense_2/kernel' has shape "
+                  r"\(6, 8\), the backup \(6, 16\). Nothing was restored."):
+        mirrored.fit(verbose=0, callbacks=[StepBackup(tmp_path)],
+                     **fit_kwargs)
+    assert max_diff(before, _weights(mirrored)) == 0.0
+    assert int(mirrored.optimizer.iterations.numpy()) == 0
+
+
+def test_truncated_backup_names_the_file_and_the_fix(cpus, tmp_path):
+    fit_kwargs = dict(_inputs("arrays"), epochs=1)
+    with pytest.raises(_Crash):
+        _mirrored_fit(cpus, fit_kwargs, tmp_path, crash_at=2)
+    path = tmp_path / "step_backup.npz"
+    path.write_bytes(path.read_bytes()[:300])
+    with pytest.raises(
+            errors.StepBackupError,
+            match=f"The step backup '{path}' cannot be read .* it is "
+                  "truncated or corrupt. Delete it to train from the start"):
+        _mirrored_fit(cpus, fit_kwargs, tmp_path)
+
+
+def test_leftover_temporary_files_are_removed_on_start(cpus, tmp_path):
+    stale = tmp_path / "step_backup.npz.4242.tmp.npz"
+    stale.write_bytes(b"half a backup")
+    mine = tmp_path / "notes.txt"
+    mine.write_text("kept")
+    _mirrored_fit(cpus, dict(_inputs("arrays"), epochs=1), tmp_path)
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["notes.txt"]
+
+
+def test_unusable_backup_dir_fails_before_the_first_step(cpus, tmp_path):
+    (tmp_path / "a_file").write_text("")
+    backup_dir = tmp_path / "a_file" / "backup"
+    mirrored = keras_mirror.MirroredModel(mlp(), devices=cpus)
+    mirrored.compile(optimizer="adam", loss="mse")
+    with pytest.raises(
+            errors.BackupDirectoryError,
+            match=f"StepBackup cannot write to its directory "
+                  f"'{backup_dir}' \\(NotADirectoryError: Not a directory\\)."
+                  " Pass a writable `backup_dir`"):
+        mirrored.fit(verbose=0, callbacks=[StepBackup(backup_dir)],
+                     epochs=1, **_inputs("arrays"))
+    assert int(mirrored.optimizer.iterations.numpy()) == 0
+
+
+def test_fit_on_a_finished_backup_returns_a_history(cpus, tmp_path):
+    fit_kwargs = dict(_inputs("arrays"), epochs=2)
+    mirrored, _ = _mirrored_fit(cpus, fit_kwargs)
+    callbacks = [StepBackup(tmp_path, delete_on_train_end=False)]
+    mirrored.fit(verbose=0, callbacks=callbacks, **fit_kwargs)
+    assert (tmp_path / "step_backup.npz").exists()
+    again = mirrored.fit(verbose=0, callbacks=callbacks, **fit_kwargs)
+    assert isinstance(again, keras.callbacks.History)
+    assert again.history == {}
+    assert int(mirrored.optimizer.iterations.numpy()) == 24
