@@ -17,6 +17,7 @@ from keras_mirror import _validate
 from keras_mirror import _worker_input
 from keras_mirror import allreduce
 from keras_mirror import devices as devices_lib
+from keras_mirror import saving
 from keras_mirror import split
 from keras_mirror.callbacks import step_backup
 
@@ -559,7 +560,8 @@ class MirroredModel(_steps.ReplicaSteps, keras.Model):
                 f"Received: filepath={filepath!r}")
         if not self.is_chief:
             return  # Only the chief writes; saving has no collective.
-        self._inner.save(filepath, overwrite=overwrite, **kwargs)
+        saving.write_atomically(self._inner.save, filepath, overwrite,
+                                **kwargs)
 
     def save_weights(self, filepath, overwrite=True, **kwargs):
         """Saves the weights (`.weights.h5`) of the wrapped model.
@@ -574,7 +576,8 @@ class MirroredModel(_steps.ReplicaSteps, keras.Model):
                 f"Received: filepath={filepath!r}")
         if not self.is_chief:
             return  # Only the chief writes; saving has no collective.
-        self._inner.save_weights(filepath, overwrite=overwrite, **kwargs)
+        saving.write_atomically(self._inner.save_weights, filepath,
+                                overwrite, **kwargs)
 
     def load_weights(self, filepath, skip_mismatch=False, **kwargs):
         """Loads `.weights.h5` weights into the wrapped model (all replicas).
