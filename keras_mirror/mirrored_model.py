@@ -1,5 +1,7 @@
 """`MirroredModel`: exact synchronous data-parallel training of a model."""
 
+import functools
+
 import keras
 import tensorflow as tf
 
@@ -10,6 +12,7 @@ from keras_mirror import _graph_steps
 from keras_mirror import _homes
 from keras_mirror import _inputs
 from keras_mirror import _multi_worker
+from keras_mirror import _on_batch
 from keras_mirror import _rebuild
 from keras_mirror import _replica_logs
 from keras_mirror import _steps
@@ -516,8 +519,9 @@ class MirroredModel(_steps.ReplicaSteps, keras.Model):
         self._on_batch_capacity(x)
         self._ensure_built(x, y, sample_weight)
         with self._homes.mirrored():
-            return super().train_on_batch(x, y, sample_weight=sample_weight,
-                                          **kwargs)
+            return _on_batch.checked(self, functools.partial(
+                super().train_on_batch, x, y, sample_weight=sample_weight,
+                **kwargs))
 
     def test_on_batch(self, x, y=None, sample_weight=None, **kwargs):
         """Evaluates one global batch exactly."""
