@@ -196,6 +196,15 @@ def test_clean_run_does_not_warn(cpus):
 
 # -- train_on_batch behaves as fit (issue 16, defect 2) -------------------
 
+def _dense(cpus, mode):
+    """A plain Dense model (no `GradTrap`): the NaN row poisons replica 2."""
+    model = keras.Sequential([keras.Input((3,)), keras.layers.Dense(1)])
+    mirrored = keras_mirror.MirroredModel(model, devices=cpus,
+                                          on_nonfinite=mode)
+    mirrored.compile(optimizer="adam", loss="mse")
+    return mirrored
+
+
 def _on_batch(mirrored, x, y):
     with warnings.catch_warnings(record=True) as caught:
         warnings.simplefilter("always")
@@ -205,7 +214,7 @@ def _on_batch(mirrored, x, y):
 
 
 def test_train_on_batch_raise(cpus):
-    mirrored = _mirrored(cpus, "raise")
+    mirrored = _dense(cpus, "raise")
     before = _state(mirrored)
     with pytest.raises(errors.NonFiniteError,
                        match=r"at step 1 on replica\(s\) \[2\] \(counts "
@@ -216,9 +225,9 @@ def test_train_on_batch_raise(cpus):
 
 
 def test_train_on_batch_skip_step(cpus):
-    mirrored = _mirrored(cpus, "skip_step")
+    mirrored = _dense(cpus, "skip_step")
     before = _state(mirrored)
-    messages = _on_batch(mirrored, *_data("gradient"))
+    messages = _on_batch(mirrored, *_data("inf_target"))
     assert len(messages) == 1
     assert "at step 1 on replica(s) [2]" in messages[0]
     assert "the update was skipped on all replicas" in messages[0]
@@ -228,7 +237,7 @@ def test_train_on_batch_skip_step(cpus):
 
 
 def test_train_on_batch_warn(cpus):
-    mirrored = _mirrored(cpus, "warn")
+    mirrored = _dense(cpus, "warn")
     messages = _on_batch(mirrored, *_data("nan"))
     assert len(messages) == 1
     assert "at step 1 on replica(s) [2]" in messages[0]

@@ -42,6 +42,7 @@ import zlib
 import keras
 import numpy as np
 
+from keras_mirror import _homes
 from keras_mirror import _preemption
 from keras_mirror import _resume
 from keras_mirror import errors
@@ -102,14 +103,13 @@ class StepBackup(keras.callbacks.Callback):
     @staticmethod
     def _variables(mirrored):
         """Every variable a step changes: the model's (weights and seed
-        generators' states, so that Dropout resumes exactly) and the
-        optimizer's (its `iterations` included)."""
-        model = getattr(mirrored, "_inner", None)
-        if model is None:
-            model = mirrored.model
-        optimizer = mirrored.optimizer
+        generators' states, so that Dropout resumes exactly) and its
+        optimizers' (`iterations` included; a GAN's two optimizers too)."""
+        model = mirrored.model
+        optimizers = [mirrored.optimizer] + _homes.optimizers_of(model)
         return (_unique(model.variables),
-                _unique(optimizer.variables) if optimizer is not None else [])
+                _unique([v for opt in optimizers if opt is not None
+                         for v in opt.variables]))
 
     def _is_chief(self):
         return getattr(self.model, "is_chief", True)
