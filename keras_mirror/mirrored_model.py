@@ -422,7 +422,9 @@ class MirroredModel(_steps.ReplicaSteps, keras.Model):
     def _adapt_input(self, x, batch_size):
         """Returns (x, batch_size) for Keras; sets the split capacity."""
         n = self.num_replicas
-        if self._batch_mode == "global":
+        if _inputs.is_generator(x):  # read ahead; per_replica: N per step
+            capacity, x = _inputs.adapt_generator(x, n, self._batch_mode)
+        elif self._batch_mode == "global":
             capacity = None
         elif isinstance(x, tf.data.Dataset):
             capacity = _inputs.capacity_of(x)
