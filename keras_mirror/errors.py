@@ -44,3 +44,7 @@ class StepBackupError(KerasMirrorError, ValueError):
 
 class BackupDirectoryError(KerasMirrorError, OSError):
     """A `StepBackup` directory that cannot be created or written."""
+
+
+class ModelFileError(KerasMirrorError, ValueError):
+    """A model file that is empty, truncated or corrupt."""

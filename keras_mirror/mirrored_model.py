@@ -134,6 +134,7 @@ class MirroredModel(_steps.ReplicaSteps, keras.Model):
                  replica_stats=True, name=None):
         _compat.check_keras_version()
         _compat.check_backend()
+        _validate.check_wrap(model)
         _rebuild.check_model(model)
         if batch not in BATCH_MODES:
             raise ValueError(
@@ -476,6 +477,7 @@ class MirroredModel(_steps.ReplicaSteps, keras.Model):
         if validation_data is not None and isinstance(
                 validation_data, (tf.data.Dataset, keras.utils.PyDataset)):
             validation_data, _ = self._adapt_input(validation_data, None)
+        _validate.check_more_fit_inputs(self, x, validation_data, kwargs)
         self._ensure_built(x, y, kwargs.get("sample_weight"))
         _validate.check_built_model(self, x, y)
         x, y, batch_size, kwargs = _worker_input.shard_fit_input(
@@ -502,6 +504,7 @@ class MirroredModel(_steps.ReplicaSteps, keras.Model):
         self._require_compiled("evaluate")
         if not kwargs.get("_use_cached_eval_dataset"):
             x, batch_size = self._adapt_input(x, batch_size)
+            _validate.check_inputs(self, x, y, kwargs.get("sample_weight"))
             self._ensure_built(x, y, kwargs.get("sample_weight"))
         with self._homes.mirrored():
             return super().evaluate(x, y, batch_size=batch_size, **kwargs)
@@ -518,6 +521,7 @@ class MirroredModel(_steps.ReplicaSteps, keras.Model):
     def train_on_batch(self, x, y=None, sample_weight=None, **kwargs):
         """Runs one exact step on one global batch."""
         self._require_compiled("train_on_batch")
+        _validate.check_inputs(self, x, y, sample_weight)
         self._on_batch_capacity(x)
         self._ensure_built(x, y, sample_weight)
         with self._homes.mirrored():
@@ -528,6 +532,7 @@ class MirroredModel(_steps.ReplicaSteps, keras.Model):
     def test_on_batch(self, x, y=None, sample_weight=None, **kwargs):
         """Evaluates one global batch exactly."""
         self._require_compiled("test_on_batch")
+        _validate.check_inputs(self, x, y, sample_weight)
         self._on_batch_capacity(x)
         self._ensure_built(x, y, sample_weight)
         with self._homes.mirrored():

@@ -9,9 +9,11 @@ it is a registered custom object), and calls Keras's loader with
 off process-wide (`keras.config.enable_unsafe_deserialization`).
 """
 
+import builtins
 import json
 import os
 import zipfile
+import zlib
 
 import keras
 
@@ -21,6 +23,7 @@ from keras_mirror import errors
 # Packages whose objects Keras itself resolves by module in safe mode.
 _TRUSTED_PACKAGES = ("keras", "keras_hub", "keras_cv", "keras_nlp")
 _CONFIG = "config.json"
+_MAX_DEPTH = 100
 
 
 def write_atomically(save, filepath, overwrite=True, **kwargs):
@@ -107,6 +110,7 @@ def _check_path(filepath):
             f"Received: filepath={filepath!r}"
         )
     if not zipfile.is_zipfile(path):
+        _check_not_truncated(filepath, path)
         raise errors.UnsafeModelError(
             "`filepath` must be a `.keras` zip archive. "
             f"Received: filepath={filepath!r}, which is not a zip file"
@@ -114,20 +118,62 @@ def _check_path(filepath):
     return path
 
 
+def _check_not_truncated(filepath, path):
+    """An empty file, or a zip archive cut short: `ModelFileError`."""
+    with open(path, "rb") as f:
+        head = f.read(4)
+    if head in (b"", b"PK\x03\x04"):
+        what = "empty" if not head else "a truncated zip archive"
+        raise errors.ModelFileError(
+            f"`filepath` must be a complete `.keras` archive, but the file "
+            f"is {what} (a save that did not finish?). Save the model "
+            "again or load an earlier copy. "
+            f"Received: filepath={filepath!r}"
+        )
+
+
 def _read_config(path):
-    with zipfile.ZipFile(path) as archive:
-        if _CONFIG not in archive.namelist():
-            raise errors.UnsafeModelError(
-                f"`filepath` must be a `.keras` archive with a `{_CONFIG}`. "
-                f"Received: filepath={path!r}"
-            )
-        try:
-            return json.loads(archive.read(_CONFIG))
-        except ValueError as e:
-            raise errors.UnsafeModelError(
-                f"`filepath` holds a `{_CONFIG}` that is not valid JSON "
-                f"({e}). Received: filepath={path!r}"
-            ) from None
+    try:
+        with zipfile.ZipFile(path) as archive:
+            bad = archive.testzip()
+            if bad is not None:
+                raise zipfile.BadZipFile(f"bad CRC-32 for {bad!r}")
+            if _CONFIG not in archive.namelist():
+                raise errors.UnsafeModelError(
+                    f"`filepath` must be a `.keras` archive with a "
+                    f"`{_CONFIG}`. Received: filepath={path!r}"
+                )
+            text = archive.read(_CONFIG)
+    except (zipfile.BadZipFile, zlib.error, EOFError) as e:
+        raise errors.ModelFileError(
+            f"`filepath` must be an intact `.keras` archive, but it is "
+            f"corrupt ({e}). Save the model again or load an earlier copy. "
+            f"Received: filepath={path!r}"
+        ) from None
+    try:
+        return json.loads(text)
+    except RecursionError:
+        raise errors.UnsafeModelError(
+            f"`filepath` holds a `{_CONFIG}` nested too deeply to be a "
+            f"Keras model config. Received: filepath={path!r}"
+        ) from None
+    except ValueError as e:
+        raise errors.UnsafeModelError(
+            f"`filepath` holds a `{_CONFIG}` that is not valid JSON "
+            f"({e}). Received: filepath={path!r}"
+        ) from None
+
+
+def _depth(config):
+    """How deeply dicts and lists nest in `config` (iteratively)."""
+    deepest, stack = 0, [(config, 1)]
+    while stack:
+        node, depth = stack.pop()
+        if isinstance(node, (dict, list)):
+            deepest = max(deepest, depth)
+            values = node.values() if isinstance(node, dict) else node
+            stack.extend((v, depth + 1) for v in values)
+    return deepest
 
 
 def _is_registered(entry, custom_objects):
@@ -156,7 +202,9 @@ def _unsafe_entry(entry, custom_objects):
     module = entry.get("module")
     if not isinstance(module, str) or "class_name" not in entry:
         return None
-    if module == "builtins" or module.split(".")[0] in _TRUSTED_PACKAGES:
+    if module == "builtins":
+        return _unsafe_builtin(entry)
+    if module.split(".")[0] in _TRUSTED_PACKAGES:
         return None
     if _is_registered(entry, custom_objects):
         return None
@@ -164,8 +212,27 @@ def _unsafe_entry(entry, custom_objects):
             "which is neither part of Keras nor a registered custom object")
 
 
+def _unsafe_builtin(entry):
+    """Keras writes `module: builtins` only for its own functions by name
+    (`class_name: function`, `config: 'relu'`); a Python builtin is code."""
+    name = entry.get("config")
+    if entry.get("class_name") != "function" or not isinstance(name, str) \
+            or hasattr(builtins, name):
+        shown = name if entry.get("class_name") == "function" else \
+            entry.get("class_name")
+        return (f"the Python builtin {shown!r} (module 'builtins'), "
+                "which is not a Keras function")
+    return None
+
+
 def check_config(config, filepath, custom_objects=None):
     """Raises `UnsafeModelError` if `config` names code outside Keras."""
+    if _depth(config) > _MAX_DEPTH:
+        raise errors.UnsafeModelError(
+            f"`filepath` holds a `{_CONFIG}` nested deeper than "
+            f"{_MAX_DEPTH} levels, too deep for a Keras model config. "
+            f"Received: filepath={filepath!r}"
+        )
     for entry in _objects(config):
         reason = _unsafe_entry(entry, custom_objects)
         if reason:
