@@ -720,3 +720,9 @@ def test_nested_model_config_is_not_too_deep():
     outer = keras.Model(inputs, keras.Sequential([middle])(inputs))
     config = keras.saving.serialize_keras_object(outer)
     assert saving._depth(config) < saving._MAX_DEPTH / 2
+
+
+def test_issue16_errors_subclass_builtins():
+    assert issubclass(errors.ModelFileError, ValueError)
+    assert issubclass(errors.StepBackupError, ValueError)
+    assert issubclass(errors.BackupDirectoryError, OSError)
