@@ -8,6 +8,8 @@ all). `docs/errors.md` lists every error and `tests/test_errors.py` asserts
 each message.
 """
 
+import warnings
+
 import keras
 import numpy as np
 import tensorflow as tf
@@ -215,6 +217,7 @@ def check_fit_inputs(mirrored, x, y, batch_size, steps_per_epoch,
         _check_lengths(x, y, sample_weight)
     _check_targets(mirrored._inner, x, y)
     _check_input_structure(mirrored._inner, x)
+    warn_idle_replicas(mirrored, x, batch_size)
 
 
 def check_built_model(mirrored, x, y):
@@ -364,3 +367,37 @@ def check_wrap(model):
             "over `devices`, and TensorFlow cannot mix two. Create it after "
             "the `with strategy.scope():` block. Received: a MirroredModel "
             f"created inside {type(strategy).__name__}.scope()")
+
+
+def _global_rows(x, batch_size):
+    """Rows of a full global batch of `x` (arrays or a dataset), or None."""
+    if isinstance(x, tf.data.Dataset):
+        batch = _inputs.first_batch(x)
+        return None if batch is None else _inputs.num_rows(batch[0])
+    if _inputs.is_array(x):
+        return min(batch_size or 32, _inputs.num_rows(x))
+    return None
+
+
+def warn_idle_replicas(mirrored, x, batch_size):
+    """Warns when most replicas would get empty shards every step.
+
+    With `batch="global"`, a global batch of `B` rows over `N > B`
+    replicas leaves `N - B` shards empty; they still trace and run the
+    step and join every all-reduce. On CPUs tracing grows with `N`
+    (64 logical CPUs: about 2 s per replica on the `"strategy"` path), so
+    `N` far above `B` costs minutes and buys nothing.
+    """
+    if mirrored.batch_mode != "global":
+        return
+    n = mirrored.num_replicas
+    rows = _global_rows(x, batch_size)
+    if rows is None or n <= 2 * rows:
+        return
+    warnings.warn(
+        f"{n} replicas for a global batch of {rows} rows: {n - rows} "
+        "replicas get an empty shard every step and only add tracing "
+        "and synchronisation time (it grows with the replica count). "
+        "Pass fewer `devices` or a larger `batch_size`. "
+        f"Received: batch_size={rows} with {n} replicas",
+        UserWarning, stacklevel=3)

@@ -726,3 +726,15 @@ def test_issue16_errors_subclass_builtins():
     assert issubclass(errors.ModelFileError, ValueError)
     assert issubclass(errors.StepBackupError, ValueError)
     assert issubclass(errors.BackupDirectoryError, OSError)
+
+
+def test_many_more_replicas_than_rows_warns(cpus):
+    """4 replicas, global batches of 1 row: 3 shards are always empty."""
+    with pytest.warns(UserWarning, match=(
+            r"4 replicas for a global batch of 1 rows: 3 replicas get an "
+            r"empty shard every step.*Received: batch_size=1 with 4 "
+            r"replicas")):
+        _fit(cpus, X[:2], Y[:2], batch_size=1)
+    with warnings.catch_warnings():
+        warnings.simplefilter("error", UserWarning)
+        _fit(cpus, X, Y, batch_size=2)  # 2 of 4 replicas busy: no warning
