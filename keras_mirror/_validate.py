@@ -401,3 +401,15 @@ def warn_idle_replicas(mirrored, x, batch_size):
         "Pass fewer `devices` or a larger `batch_size`. "
         f"Received: batch_size={rows} with {n} replicas",
         UserWarning, stacklevel=3)
+
+
+def warn_unused_timeout(execution, timeout_seconds):
+    """`timeout_seconds` bounds collectives, which `"in_graph"` has none of."""
+    if execution == "in_graph" and timeout_seconds is not None:
+        warnings.warn(
+            "`timeout_seconds` has no effect on the 'in_graph' execution "
+            "path, which sums gradients in one graph without a collective "
+            "to time out. Pass execution='strategy' to bound the "
+            "all-reduce, or drop it. "
+            f"Received: timeout_seconds={timeout_seconds!r} with "
+            "execution='in_graph'", UserWarning, stacklevel=3)

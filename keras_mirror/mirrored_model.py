@@ -171,6 +171,7 @@ class MirroredModel(_steps.ReplicaSteps, keras.Model):
         execution, reason = _pick_execution(
             execution, resolved, spec, _custom_step.has_custom_step(original),
             collective_options, _rebuild.synchronized_layers(original))
+        _validate.warn_unused_timeout(execution, timeout_seconds)
         if spec is None and execution == "strategy":
             strategy = devices_lib.mirrored_strategy(resolved, communication)
         elif spec is None:

@@ -738,3 +738,11 @@ def test_many_more_replicas_than_rows_warns(cpus):
     with warnings.catch_warnings():
         warnings.simplefilter("error", UserWarning)
         _fit(cpus, X, Y, batch_size=2)  # 2 of 4 replicas busy: no warning
+
+
+def test_timeout_seconds_on_the_in_graph_path_warns(cpus):
+    with pytest.warns(UserWarning, match=(
+            r"`timeout_seconds` has no effect on the 'in_graph' execution "
+            r"path.*Received: timeout_seconds=5 with execution='in_graph'")):
+        keras_mirror.MirroredModel(_seq(), cpus, timeout_seconds=5,
+                                   execution="in_graph")
