@@ -600,6 +600,7 @@ class MirroredModel(_steps.ReplicaSteps, keras.Model):
                 "`filepath` must end in `.weights.h5`; full models load with "
                 "`keras.saving.load_model(..., safe_mode=True)`. "
                 f"Received: filepath={filepath!r}")
+        saving.check_weights_file(filepath)
         self._inner.load_weights(filepath, skip_mismatch=skip_mismatch,
                                  **kwargs)
 

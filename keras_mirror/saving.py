@@ -15,6 +15,7 @@ import os
 import zipfile
 import zlib
 
+import h5py
 import keras
 
 from keras_mirror import _compat
@@ -56,6 +57,22 @@ def write_atomically(save, filepath, overwrite=True, **kwargs):
         _remove_quietly(temporary)
         raise
     _fsync(directory)
+
+
+def check_weights_file(filepath):
+    """A `.weights.h5` file must exist and open as HDF5 (not truncated)."""
+    if not os.path.isfile(filepath):
+        raise FileNotFoundError(
+            "`filepath` must name an existing `.weights.h5` file. "
+            f"Received: filepath={filepath!r}")
+    try:
+        h5py.File(filepath, "r").close()
+    except OSError as e:
+        raise errors.ModelFileError(
+            "`filepath` must be a complete `.weights.h5` file, but it "
+            f"cannot be opened ({e}); it is empty, truncated or corrupt. "
+            "Save the weights again or load an earlier copy. "
+            f"Received: filepath={filepath!r}") from None
 
 
 def _check_save_path(filepath):

@@ -147,6 +147,15 @@ def _truncated_keras():
     return path
 
 
+def _truncated_weights():
+    _seq().save_weights("w.weights.h5")
+    with open("w.weights.h5", "rb") as f:
+        data = f.read()
+    with open("w.weights.h5", "wb") as f:
+        f.write(data[:len(data) // 2])
+    return "w.weights.h5"
+
+
 def _flipped_keras():
     path = _saved_keras()
     with open(path, "rb") as f:
@@ -644,6 +653,12 @@ CASES = {
         errors.UnsafeModelError, r"config names the Python builtin 'eval' "
         r"\(module 'builtins'\), which is not a Keras function.*"
         r"Received: filepath='m.keras'"),
+    "load_weights_truncated": Case(
+        "filepath", "a `.weights.h5` file cut in half",
+        lambda cpus: _mirrored(cpus).load_weights(_truncated_weights()),
+        errors.ModelFileError, r"`filepath` must be a complete "
+        r"`.weights.h5` file, but it cannot be opened .*it is empty, "
+        r"truncated or corrupt.*Received: filepath='w.weights.h5'"),
     "double_wrap": Case(
         "model", "a MirroredModel",
         lambda cpus: keras_mirror.MirroredModel(

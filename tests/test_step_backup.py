@@ -3,7 +3,9 @@ worker of a real 2-worker run is SIGKILLed mid-epoch and the launcher
 restarts the group."""
 
 import json
+import os
 import sys
+import types
 
 import keras
 import pytest
@@ -252,3 +254,21 @@ def test_fit_on_a_finished_backup_returns_a_history(cpus, tmp_path):
     assert isinstance(again, keras.callbacks.History)
     assert again.history == {}
     assert int(mirrored.optimizer.iterations.numpy()) == 24
+
+
+def test_full_backup_dir_fails_before_the_first_step(cpus, tmp_path,
+                                                     monkeypatch):
+    def almost_full(path):
+        return types.SimpleNamespace(f_bavail=100, f_frsize=1)
+
+    monkeypatch.setattr(os, "statvfs", almost_full)
+    mirrored = keras_mirror.MirroredModel(mlp(), devices=cpus)
+    mirrored.compile(optimizer="adam", loss="mse")
+    with pytest.raises(
+            errors.BackupDirectoryError,
+            match=f"StepBackup cannot write to its directory '{tmp_path}' "
+                  r"\(OSError: 100 bytes free, one backup needs about "
+                  r"\d+\)"):
+        mirrored.fit(verbose=0, callbacks=[StepBackup(tmp_path)],
+                     epochs=1, **_inputs("arrays"))
+    assert int(mirrored.optimizer.iterations.numpy()) == 0

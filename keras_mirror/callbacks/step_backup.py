@@ -16,8 +16,8 @@ uninterrupted run would read from there (`validation_split` and
 `steps_per_epoch` included, see `keras_mirror._resume`), so the run ends
 with the same step count and weights as an uninterrupted one.
 
-At `on_train_begin` the directory is created and checked with a probe as
-large as one backup (an unwritable or full directory raises
+At `on_train_begin` the directory is created and checked with a probe
+file and its free space (an unwritable or full directory raises
 `BackupDirectoryError` naming it before the first step), and temporary
 files left by a writer killed mid-write are removed.
 
@@ -35,6 +35,7 @@ after the same step, with the backup written there, and exits with code 75
 for a restart (see `keras_mirror._preemption`).
 """
 
+import errno
 import os
 import zipfile
 import zlib
@@ -207,7 +208,8 @@ class StepBackup(keras.callbacks.Callback):
 
     def check_directory(self):
         """Creates the directory, removes stale temporary files of killed
-        writers and writes a probe as large as one backup (chief only)."""
+        writers, writes a probe file and checks that one backup fits in the
+        free space (chief only)."""
         if not self._is_chief():
             return
         probe = os.path.join(self.backup_dir,
@@ -218,16 +220,24 @@ class StepBackup(keras.callbacks.Callback):
                 if name.startswith(_FILE + ".") and \
                         name.endswith(_TMP_SUFFIX):
                     os.remove(os.path.join(self.backup_dir, name))
-            size = sum(v.numpy().nbytes for v in sum(
-                self._variables(self.model), []))
             with open(probe, "wb") as f:
-                f.write(b"\0" * size)
+                f.write(b"\0")
                 f.flush()
                 os.fsync(f.fileno())
+            self._check_free_space()
         except OSError as e:
             raise self._directory_error(e) from e
         finally:
             _remove_quietly(probe)
+
+    def _check_free_space(self):
+        needed = sum(v.numpy().nbytes for group in self._variables(
+            self.model) for v in group)
+        stat = os.statvfs(self.backup_dir)
+        free = stat.f_bavail * stat.f_frsize
+        if free < needed:
+            raise OSError(errno.ENOSPC, f"{free} bytes free, one backup "
+                          f"needs about {needed}")
 
     # -- callback ----------------------------------------------------------
 
