@@ -175,11 +175,12 @@ def is_generator(x):
 def adapt_generator(generator, num_replicas, batch_mode):
     """(capacity, a generator) for `MirroredModel`'s input.
 
-    Its first element is read ahead (`first_batch` returns it), so that the model can
-    be built from it before the first step. In `"per_replica"` mode it
-    joins `num_replicas` consecutive elements into one global batch; the
-    capacity is the first element's rows, and each group must follow the
-    fill rule (full batches, then the remainder), as `group_dataset`'s.
+    Its first element is read ahead (`first_batch` returns it), so that
+    the model can be built from it before the first step. In
+    `"per_replica"` mode it joins `num_replicas` consecutive elements into
+    one global batch; the capacity is the first element's rows, and each
+    group must follow the fill rule (full batches, then the remainder), as
+    `group_dataset`'s.
     """
     first = next(generator, None)
     if first is None:

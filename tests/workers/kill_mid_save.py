@@ -20,10 +20,11 @@ import keras_mirror
 
 keras_mirror.logical_cpus(2)
 
+import zipfile  # noqa: E402
+
 import h5py  # noqa: E402
 import keras  # noqa: E402
 import numpy as np  # noqa: E402
-import zipfile  # noqa: E402
 
 
 def _kill_on_close(cls):
