@@ -142,16 +142,19 @@ def skip(x, y, kwargs, batches, batch_size):
         return x, y, kwargs
     if isinstance(x, tf.data.Dataset):
         return x.skip(batches), y, kwargs
-    if not _inputs.is_array(x):
+    if not _inputs.is_array(x) and \
+            not isinstance(x, keras.utils.PyDataset):
         raise ValueError(
             "StepBackup resumes inside an epoch by skipping the batches "
-            "already trained on, which needs arrays or a `tf.data.Dataset`. "
-            f"Received: x={type(x).__name__}")
+            "already trained on, which needs arrays, a `tf.data.Dataset` or "
+            f"a `keras.utils.PyDataset`. Received: x={type(x).__name__}")
     if kwargs.get("shuffle", True):
         raise ValueError(
             "StepBackup resumes inside an epoch by skipping its first "
             "batches, which needs the same batches on every run: pass "
             "`shuffle=False`. Received: shuffle=True")
+    if isinstance(x, keras.utils.PyDataset):
+        return SkippedPyDataset(x, batches), y, kwargs
     rows = batches * (batch_size or 32)
 
     def cut(t):
@@ -161,3 +164,26 @@ def skip(x, y, kwargs, batches, batch_size):
     if kwargs.get("sample_weight") is not None:
         kwargs["sample_weight"] = cut(kwargs["sample_weight"])
     return cut(x), cut(y), kwargs
+
+
+class SkippedPyDataset(keras.utils.PyDataset):
+    """A `PyDataset` without its first `skip` batches."""
+
+    def __init__(self, dataset, skip):
+        super().__init__(workers=dataset.workers,
+                         use_multiprocessing=dataset.use_multiprocessing,
+                         max_queue_size=dataset.max_queue_size)
+        self._dataset = dataset
+        self._skip = skip
+
+    def __len__(self):
+        return max(0, len(self._dataset) - self._skip)
+
+    def __getitem__(self, index):
+        return self._dataset[index + self._skip]
+
+    def on_epoch_begin(self):
+        self._dataset.on_epoch_begin()
+
+    def on_epoch_end(self):
+        self._dataset.on_epoch_end()

@@ -110,8 +110,22 @@ def _dropout_mlp():
     ])
 
 
+class _Batches(keras.utils.PyDataset):
+    def __init__(self, x, y, sw):
+        super().__init__()
+        self.parts = x, y, sw
+
+    def __len__(self):
+        return 6
+
+    def __getitem__(self, i):
+        return tuple(p[i * 8:(i + 1) * 8] for p in self.parts)
+
+
 def _inputs(kind):
     x, y, sw = data(45)
+    if kind == "pydataset":
+        return dict(x=_Batches(x, y, sw), shuffle=False)
     if kind == "arrays":
         return dict(x=x, y=y, sample_weight=sw, batch_size=8, shuffle=False)
     ds = tf.data.Dataset.from_tensor_slices((x, y, sw)).batch(8)
@@ -172,7 +186,8 @@ def test_resume_with_validation_split(cpus, tmp_path):
 
 @pytest.mark.timeout(120)
 @pytest.mark.parametrize("kind,crash_at", [
-    ("arrays", 2), ("arrays", 5), ("finite", 2), ("repeated", 6)])
+    ("arrays", 2), ("arrays", 5), ("finite", 2), ("repeated", 6),
+    ("pydataset", 5)])
 def test_resume_with_steps_per_epoch_below_the_data(cpus, tmp_path, kind,
                                                     crash_at):
     # 6 batches, 4 steps an epoch: Keras carries its iterator across
