@@ -21,9 +21,10 @@ file and its free space (an unwritable or full directory raises
 `BackupDirectoryError` naming it before the first step), and temporary
 files left by a writer killed mid-write are removed.
 
-Requirements: deterministic input, identical on every run (arrays with
-`shuffle=False`, or a `tf.data.Dataset` without unseeded shuffling): the
-skipped batches are the first `step` batches of the resumed epoch. Only the
+Requirements: deterministic input, identical on every run (arrays or a
+`keras.utils.PyDataset` with `shuffle=False`, or a `tf.data.Dataset`
+without unseeded shuffling): the batches already trained on are skipped.
+A Python generator cannot be skipped and resumes only at epoch starts. Only the
 chief writes (atomically: a temporary file renamed into place); every
 worker reads the same file on resume, so with workers on several hosts the
 directory must be on a shared file system. The backup is deleted when
