@@ -4,10 +4,12 @@ restarts the group."""
 
 import json
 import os
+import re
 import sys
 import types
 
 import keras
+import numpy as np
 import pytest
 import tensorflow as tf
 from helpers import data
@@ -303,3 +305,18 @@ def test_full_backup_dir_fails_before_the_first_step(cpus, tmp_path,
         mirrored.fit(verbose=0, callbacks=[StepBackup(tmp_path)],
                      epochs=1, **_inputs("arrays"))
     assert int(mirrored.optimizer.iterations.numpy()) == 0
+
+
+@pytest.mark.parametrize("kwargs,message", [
+    (dict(backup_dir=None), "`backup_dir` must be a non-empty path. "
+                            "Received: backup_dir=None"),
+    (dict(backup_dir="b", every_n_steps=0),
+     "`every_n_steps` must be a positive integer. Received: every_n_steps=0"),
+    (dict(backup_dir="b", delete_on_train_end="yes"),
+     "`delete_on_train_end` must be True or False. "
+     "Received: delete_on_train_end='yes'"),
+])
+def test_step_backup_arguments(kwargs, message):
+    with pytest.raises(ValueError, match=re.escape(message)):
+        StepBackup(**kwargs)
+    assert StepBackup("b", every_n_steps=np.int64(3)).every_n_steps == 3

@@ -75,7 +75,7 @@ class StepBackup(keras.callbacks.Callback):
                  delete_on_train_end=True):
         super().__init__()
         if isinstance(every_n_steps, bool) or not isinstance(
-                every_n_steps, int) or every_n_steps < 1:
+                every_n_steps, (int, np.integer)) or every_n_steps < 1:
             raise ValueError(
                 "`every_n_steps` must be a positive integer. "
                 f"Received: every_n_steps={every_n_steps!r}")
@@ -89,7 +89,7 @@ class StepBackup(keras.callbacks.Callback):
                 "`delete_on_train_end` must be True or False. "
                 f"Received: delete_on_train_end={delete_on_train_end!r}")
         self.backup_dir = os.fspath(backup_dir)
-        self.every_n_steps = every_n_steps
+        self.every_n_steps = int(every_n_steps)
         self.delete_on_train_end = delete_on_train_end
         self._epoch = 0
         self._offset = 0
