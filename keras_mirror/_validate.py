@@ -348,17 +348,10 @@ def check_more_fit_inputs(mirrored, x, validation_data, kwargs):
         _check_input_structure(mirrored.model, vx, "validation_data")
 
 
-def check_wrap(model):
-    """`MirroredModel(model)` checks that need no device: no double wrap, no
-    enclosing `tf.distribute` scope (the wrapper makes its own strategy)."""
-    from keras_mirror.mirrored_model import MirroredModel
-
-    if isinstance(model, MirroredModel):
-        raise ValueError(
-            "`model` must be a plain Keras model: it is a `MirroredModel` "
-            "already, which trains on its own devices. Pass the model it "
-            "wraps (`mirrored.model`) to wrap it again with other options. "
-            f"Received: model={model.name!r} (a MirroredModel)")
+def check_no_outer_scope(model):
+    """`MirroredModel(model)` must not be created inside a `tf.distribute`
+    scope: the wrapper makes its own strategy. (A double wrap is refused by
+    `_rebuild.check_not_wrapped`.)"""
     if tf.distribute.has_strategy():
         strategy = tf.distribute.get_strategy()
         raise ValueError(

@@ -134,7 +134,7 @@ class MirroredModel(_steps.ReplicaSteps, keras.Model):
                  replica_stats=True, name=None):
         _compat.check_keras_version()
         _compat.check_backend()
-        _validate.check_wrap(model)
+        _validate.check_no_outer_scope(model)
         _rebuild.check_model(model)
         if batch not in BATCH_MODES:
             raise ValueError(

@@ -659,13 +659,6 @@ CASES = {
         errors.ModelFileError, r"`filepath` must be a complete "
         r"`.weights.h5` file, but it cannot be opened .*it is empty, "
         r"truncated or corrupt.*Received: filepath='w.weights.h5'"),
-    "double_wrap": Case(
-        "model", "a MirroredModel",
-        lambda cpus: keras_mirror.MirroredModel(
-            keras_mirror.MirroredModel(_seq(), cpus), cpus),
-        ValueError, r"`model` must be a plain Keras model: it is a "
-        r"`MirroredModel` already.*Received: model='mirrored_sequential'"
-        r" \(a MirroredModel\)"),
     "created_in_strategy_scope": Case(
         "MirroredModel", "created inside OneDeviceStrategy.scope()",
         _in_scope,
