@@ -8,6 +8,7 @@ import re
 import sys
 import types
 
+import guide_models
 import keras
 import numpy as np
 import pytest
@@ -30,12 +31,16 @@ class _Crash(Exception):
 
 
 class _CrashAt(keras.callbacks.Callback):
+    """Raises after the `step`-th training step of a fresh run."""
+
     def __init__(self, step):
         super().__init__()
         self.step = step
+        self.seen = 0
 
     def on_train_batch_end(self, batch, logs=None):
-        if int(self.model.optimizer.iterations.numpy()) == self.step:
+        self.seen += 1
+        if self.seen == self.step:
             raise _Crash()
 
 
@@ -320,3 +325,31 @@ def test_step_backup_arguments(kwargs, message):
     with pytest.raises(ValueError, match=re.escape(message)):
         StepBackup(**kwargs)
     assert StepBackup("b", every_n_steps=np.int64(3)).every_n_steps == 3
+
+
+@pytest.mark.timeout(120)
+def test_resume_of_a_gan_with_two_optimizers(cpus, tmp_path):
+    """A model with its own `train_step`, two optimizers and a seed
+    generator drawing its latent vectors resumes to the uninterrupted run."""
+
+    def run(backup_dir=None, crash_at=None):
+        model, compile_kwargs, (x, _) = guide_models.gan()
+        mirrored = keras_mirror.MirroredModel(model, devices=cpus)
+        mirrored.compile(**compile_kwargs)
+        callbacks = [StepBackup(backup_dir)] if backup_dir else []
+        if crash_at is not None:
+            callbacks.append(_CrashAt(crash_at))
+        mirrored.fit(x, batch_size=8, epochs=2, shuffle=False, verbose=0,
+                     callbacks=callbacks)
+        return model
+
+    keras.utils.set_random_seed(0)
+    reference = run().get_weights()
+    keras.backend.clear_session()
+    keras.utils.set_random_seed(0)
+    with pytest.raises(_Crash):
+        run(tmp_path, crash_at=5)
+    keras.backend.clear_session()
+    keras.utils.set_random_seed(0)
+    resumed = run(tmp_path)
+    assert max_diff(reference, resumed.get_weights()) < 1e-5

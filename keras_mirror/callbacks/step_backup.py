@@ -252,7 +252,7 @@ class StepBackup(keras.callbacks.Callback):
         self._epoch = epoch
 
     def on_train_batch_end(self, batch, logs=None):
-        iterations = int(self.model.optimizer.iterations.numpy())
+        iterations = _iterations(self.model)
         if iterations % self.every_n_steps == 0:
             self.save(self._epoch, self._offset + batch + 1)
         _preemption.after_step(self, getattr(self, "_preemption", None),
@@ -290,7 +290,7 @@ class StepBackup(keras.callbacks.Callback):
                                 steps_per_epoch, batches)
         print(f"keras-mirror: StepBackup resumes at epoch {position[0]}, "
               f"step {position[1]} (optimizer step "
-              f"{int(mirrored.optimizer.iterations.numpy())}).", flush=True)
+              f"{_iterations(mirrored)}).", flush=True)
         history = None
         for i, segment in enumerate(segments):
             history = _merge(history, self._run_segment(
@@ -315,6 +315,16 @@ class StepBackup(keras.callbacks.Callback):
                        steps_per_epoch=segment.steps_per_epoch, **skw)
         finally:
             self._offset, self._partial = 0, False
+
+
+def _iterations(mirrored):
+    """Optimizer steps taken: the first optimizer's `iterations` (a model
+    with its own `train_step` may hold its optimizers as attributes)."""
+    optimizers = [mirrored.optimizer] + _homes.optimizers_of(mirrored.model)
+    for optimizer in optimizers:
+        if optimizer is not None:
+            return int(optimizer.iterations.numpy())
+    return 0
 
 
 def _merge(before, after):
