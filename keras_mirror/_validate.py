@@ -364,9 +364,13 @@ def check_no_outer_scope(model):
 
 def _global_rows(x, batch_size):
     """Rows of a full global batch of `x` (arrays or a dataset), or None."""
-    if isinstance(x, tf.data.Dataset):
-        batch = _inputs.first_batch(x)
-        return None if batch is None else _inputs.num_rows(batch[0])
+    if isinstance(x, tf.data.Dataset):  # a static batch size only
+        spec, _ = _x_and_y_spec(x)
+        leaves = tf.nest.flatten(spec)
+        shape = getattr(leaves[0], "shape", None) if leaves else None
+        if shape is None or not len(shape) or shape[0] is None:
+            return None
+        return int(shape[0])
     if _inputs.is_array(x):
         return min(batch_size or 32, _inputs.num_rows(x))
     return None
