@@ -179,7 +179,7 @@ def symbolic_build(model, data_batch):
     getattr(model, _SYMBOLIC_BUILD)(data_batch=data_batch)
 
 
-# -- masks (keras_mirror._steps, _graph_steps) ------------------------------
+# -- masks (keras_mirror.steps.arithmetic, steps.in_graph) ----------------
 
 # A masking layer (`Embedding(mask_zero=True)`, `Masking`) marks its output
 # with a mask that Keras keeps on the tensor itself; the compiled loss divides

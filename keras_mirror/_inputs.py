@@ -5,7 +5,10 @@ batch; these helpers concatenate `N` consecutive elements into one global
 batch that the fill rule (`split.fill_sizes`) splits back exactly.
 """
 
+import collections.abc
+import itertools
 import math
+import weakref
 
 import keras
 import numpy as np
@@ -73,6 +76,8 @@ def first_batch(x, y=None, sample_weight=None):
         return keras.utils.unpack_x_y_sample_weight(element)
     if isinstance(x, keras.utils.PyDataset):
         return keras.utils.unpack_x_y_sample_weight(x[0])
+    if is_generator(x) and x in _FIRST:
+        return keras.utils.unpack_x_y_sample_weight(_FIRST[x])
     if x is not None and is_array(x):
         return tf.nest.map_structure(
             lambda t: None if t is None else t[:1], (x, y, sample_weight))
@@ -159,6 +164,73 @@ class GroupedPyDataset(keras.utils.PyDataset):
         items = [self._dataset[index * self._n + i] for i in range(self._n)]
         return tf.nest.map_structure(
             lambda *parts: np.concatenate(parts, axis=0), *items)
+
+
+def is_generator(x):
+    """A Python generator or iterator (not arrays, a dataset or PyDataset)."""
+    return isinstance(x, collections.abc.Iterator) and not isinstance(
+        x, (tf.data.Dataset, keras.utils.PyDataset)) and not is_array(x)
+
+
+def adapt_generator(generator, num_replicas, batch_mode):
+    """(capacity, a generator) for `MirroredModel`'s input.
+
+    Its first element is read ahead (`first_batch` returns it), so that
+    the model can be built from it before the first step. In
+    `"per_replica"` mode it joins `num_replicas` consecutive elements into
+    one global batch; the capacity is the first element's rows, and each
+    group must follow the fill rule (full batches, then the remainder), as
+    `group_dataset`'s.
+    """
+    first = next(generator, None)
+    if first is None:
+        raise ValueError(
+            "`x` must yield at least one batch, but the generator is empty. "
+            f"Received: x={generator!r}")
+    items = itertools.chain([first], generator)
+    if batch_mode == "global":
+        return None, _peeked(first, items)
+    capacity = num_rows(keras.utils.unpack_x_y_sample_weight(first)[0])
+
+    def joined():
+        while True:
+            group = list(itertools.islice(items, num_replicas))
+            if not group:
+                return
+            yield _join(group, num_replicas, capacity)
+
+    return capacity, _peeked(first, joined())
+
+
+# Generators whose first element was read ahead -> that element.
+_FIRST = weakref.WeakKeyDictionary()
+
+
+def _peeked(first, iterator):
+    def generator():
+        yield from iterator
+
+    out = generator()
+    _FIRST[out] = first
+    return out
+
+
+def _join(group, num_replicas, capacity):
+    if len(group) < num_replicas:
+        raise ValueError(
+            "`batch='per_replica'` needs the number of batches to be a "
+            f"multiple of the replica count ({num_replicas}): the last "
+            "group of batches is short. Received: a final group of "
+            f"{len(group)} batch(es) from the generator `x`")
+    sizes = [num_rows(keras.utils.unpack_x_y_sample_weight(g)[0])
+             for g in group]
+    if tuple(sizes) != split.fill_sizes(sum(sizes), num_replicas, capacity):
+        raise ValueError(
+            "`batch='per_replica'`: every batch but the last must have the "
+            f"same number of rows ({capacity}). Received: batches of "
+            f"{sizes} rows from the generator `x`")
+    return tf.nest.map_structure(
+        lambda *parts: np.concatenate(parts, axis=0), *group)
 
 
 def capacity_of(dataset):

@@ -8,6 +8,8 @@ all). `docs/errors.md` lists every error and `tests/test_errors.py` asserts
 each message.
 """
 
+import warnings
+
 import keras
 import numpy as np
 import tensorflow as tf
@@ -169,7 +171,7 @@ def _check_one_shape(name, value, expected):
         )
 
 
-def _check_input_structure(model, x):
+def _check_input_structure(model, x, name="x"):
     expected = _expected_inputs(model)
     if expected is None or x is None:
         return
@@ -180,21 +182,22 @@ def _check_input_structure(model, x):
     if isinstance(expected, dict):
         if not isinstance(given, dict):
             raise ValueError(
-                f"`x` must be a dict with the keys {sorted(expected)} of "
-                f"the model's inputs. Received: x={type(given).__name__}"
+                f"`{name}` must be a dict with the keys {sorted(expected)} "
+                "of the model's inputs. "
+                f"Received: {name}={type(given).__name__}"
             )
         missing = sorted(set(expected) - set(given))
         if missing:
             raise ValueError(
-                f"`x` must have the keys {sorted(expected)} of the model's "
-                f"inputs; {missing} missing. "
-                f"Received: x with keys {sorted(given)}"
+                f"`{name}` must have the keys {sorted(expected)} of the "
+                f"model's inputs; {missing} missing. "
+                f"Received: {name} with keys {sorted(given)}"
             )
         for key, tensor in expected.items():
-            _check_one_shape(f"x[{key!r}]", given[key], tensor)
+            _check_one_shape(f"{name}[{key!r}]", given[key], tensor)
     elif not isinstance(expected, (list, tuple)) and not isinstance(
             given, (dict, list, tuple)):
-        _check_one_shape("x", given, expected)
+        _check_one_shape(name, given, expected)
 
 
 def check_fit_inputs(mirrored, x, y, batch_size, steps_per_epoch,
@@ -209,9 +212,12 @@ def check_fit_inputs(mirrored, x, y, batch_size, steps_per_epoch,
         if mirrored.batch_mode == "per_replica" and x.num_batches:
             _check_groups(x.num_batches, mirrored.num_replicas)
     else:
+        _check_values("x", x)
+        _check_values("y", y)
         _check_lengths(x, y, sample_weight)
     _check_targets(mirrored._inner, x, y)
     _check_input_structure(mirrored._inner, x)
+    warn_idle_replicas(mirrored, x, batch_size)
 
 
 def check_built_model(mirrored, x, y):
@@ -223,3 +229,184 @@ def check_built_model(mirrored, x, y):
             "nothing to train. Received: model="
             f"{mirrored.model.name!r} with 0 trainable weights"
         )
+
+
+# -- issue 16: more inputs, checked before the first step -----------------
+
+def _check_values(name, value):
+    """`value` (x or y) must be numbers: no string, ragged or object data."""
+    if isinstance(value, (str, bytes)):
+        raise ValueError(
+            f"`{name}` must be arrays, a `tf.data.Dataset`, a "
+            "`keras.utils.PyDataset` or a generator, not a string. "
+            f"Received: {name}={_short(value)}")
+    for leaf in tf.nest.flatten(value):
+        if isinstance(leaf, tf.RaggedTensor):
+            raise ValueError(
+                f"`{name}` must not hold a `tf.RaggedTensor`: keras-mirror "
+                "splits each global batch by rows into dense shards. Pad it "
+                "(`ragged.to_tensor()`) or feed a `tf.data.Dataset` of "
+                f"dense batches. Received: {name}=tf.RaggedTensor with "
+                f"shape {tuple(leaf.shape)}")
+        dtype = getattr(leaf, "dtype", None)
+        if isinstance(leaf, np.ndarray) and dtype.kind == "O" and not all(
+                isinstance(v, (str, bytes)) for v in leaf.ravel()):
+            raise ValueError(
+                f"`{name}` must hold numbers (or strings), not Python "
+                "objects: a NumPy array of dtype object usually holds rows "
+                "of different lengths. Pad them to one shape. "
+                f"Received: {name} with dtype=object")
+        if name == "y" and isinstance(leaf, np.ndarray) and \
+                dtype.kind in "USO":
+            raise ValueError(
+                "`y` must hold numbers, which a loss can compare to "
+                "predictions. Encode string labels as integers first. "
+                f"Received: y with dtype={dtype}")
+
+
+def _short(value):
+    text = repr(value)
+    return text if len(text) <= 60 else text[:57] + "..."
+
+
+def _check_class_weight(class_weight):
+    if class_weight is None:
+        return
+    if not isinstance(class_weight, dict) or not all(
+            isinstance(k, (int, np.integer)) and not isinstance(k, bool)
+            for k in class_weight):
+        raise ValueError(
+            "`class_weight` must be a dict mapping class indices (ints) to "
+            f"weights. Received: class_weight={_short(class_weight)}")
+
+
+def _check_batch_rows(name, x, y, sample_weight):
+    """One batch (a dataset's or generator's first): same rows in each."""
+    rows = {}
+    for part, value in (("x", x), ("y", y), ("sample_weight", sample_weight)):
+        for leaf in tf.nest.flatten(value):
+            shape = getattr(leaf, "shape", None)
+            if shape is not None and len(shape) and shape[0] is not None:
+                rows.setdefault(part, int(shape[0]))
+    for part in ("y", "sample_weight"):
+        if part in rows and "x" in rows and rows[part] != rows["x"]:
+            raise ValueError(
+                f"Each batch of `{name}` must have as many {part} rows as "
+                f"input rows ({rows['x']}). Received: a batch with "
+                f"{rows[part]} {part} rows and {rows['x']} input rows")
+
+
+def check_inputs(mirrored, x, y=None, sample_weight=None, name="x"):
+    """Validates one input (fit's, evaluate's, `*_on_batch`'s, or
+    `validation_data`) before any step: values, rows and the model's input
+    shape; for a dataset or generator, its first batch."""
+    _check_values("x", x)
+    _check_values("y", y)
+    batch = None
+    if isinstance(x, tf.data.Dataset) or _inputs.is_generator(x):
+        batch = _inputs.first_batch(x)
+    elif _inputs.is_array(x):
+        _check_lengths(x, y, sample_weight)
+        batch = (x, y, sample_weight)
+    if batch is None:
+        return
+    _check_values("y", batch[1])
+    if not _inputs.is_array(x):
+        _check_batch_rows(name, *batch)
+    model = mirrored.model
+    if getattr(model, "built", False):
+        _check_input_structure(model, batch[0], name)
+
+
+def check_more_fit_inputs(mirrored, x, validation_data, kwargs):
+    """`fit`'s checks that need the adapted input (called after building):
+    a generator's or dataset's first batch, `class_weight`, and
+    `validation_data`, which Keras would otherwise reach only after a whole
+    epoch of training."""
+    _check_class_weight(kwargs.get("class_weight"))
+    if isinstance(x, tf.data.Dataset) or _inputs.is_generator(x):
+        check_inputs(mirrored, x)
+    if validation_data is None:
+        return
+    if isinstance(validation_data, (tf.data.Dataset, keras.utils.PyDataset)):
+        if isinstance(validation_data, tf.data.Dataset):
+            check_inputs(mirrored, validation_data, name="validation_data")
+        return
+    if not isinstance(validation_data, (tuple, list)) or \
+            len(validation_data) not in (2, 3):
+        raise ValueError(
+            "`validation_data` must be a tuple `(x_val, y_val)` or "
+            "`(x_val, y_val, val_sample_weight)`, a `tf.data.Dataset` or a "
+            "`keras.utils.PyDataset`. Received: "
+            f"validation_data={_short(validation_data)}")
+    vx, vy, vsw = keras.utils.unpack_x_y_sample_weight(
+        tuple(validation_data))
+    _check_values("validation_data", vx)
+    _check_values("y", vy)
+    if _inputs.is_array(vx):
+        _check_lengths(vx, vy, vsw)
+        _check_input_structure(mirrored.model, vx, "validation_data")
+
+
+def check_no_outer_scope(model):
+    """`MirroredModel(model)` must not be created inside a `tf.distribute`
+    scope: the wrapper makes its own strategy. (A double wrap is refused by
+    `_rebuild.check_not_wrapped`.)"""
+    if tf.distribute.has_strategy():
+        strategy = tf.distribute.get_strategy()
+        raise ValueError(
+            "`MirroredModel` must be created outside any "
+            "`tf.distribute.Strategy.scope()`: it makes its own strategy "
+            "over `devices`, and TensorFlow cannot mix two. Create it after "
+            "the `with strategy.scope():` block. Received: a MirroredModel "
+            f"created inside {type(strategy).__name__}.scope()")
+
+
+def _global_rows(x, batch_size):
+    """Rows of a full global batch of `x` (arrays or a dataset), or None."""
+    if isinstance(x, tf.data.Dataset):  # a static batch size only
+        spec, _ = _x_and_y_spec(x)
+        leaves = tf.nest.flatten(spec)
+        shape = getattr(leaves[0], "shape", None) if leaves else None
+        if shape is None or not len(shape) or shape[0] is None:
+            return None
+        return int(shape[0])
+    if _inputs.is_array(x):
+        return min(batch_size or 32, _inputs.num_rows(x))
+    return None
+
+
+def warn_idle_replicas(mirrored, x, batch_size):
+    """Warns when most replicas would get empty shards every step.
+
+    With `batch="global"`, a global batch of `B` rows over `N > B`
+    replicas leaves `N - B` shards empty; they still trace and run the
+    step and join every all-reduce. On CPUs tracing grows with `N`
+    (64 logical CPUs: about 2 s per replica on the `"strategy"` path), so
+    `N` far above `B` costs minutes and buys nothing.
+    """
+    if mirrored.batch_mode != "global":
+        return
+    n = mirrored.num_replicas
+    rows = _global_rows(x, batch_size)
+    if rows is None or n <= 2 * rows:
+        return
+    warnings.warn(
+        f"{n} replicas for a global batch of {rows} rows: {n - rows} "
+        "replicas get an empty shard every step and only add tracing "
+        "and synchronisation time (it grows with the replica count). "
+        "Pass fewer `devices` or a larger `batch_size`. "
+        f"Received: batch_size={rows} with {n} replicas",
+        UserWarning, stacklevel=3)
+
+
+def warn_unused_timeout(execution, timeout_seconds):
+    """`timeout_seconds` bounds collectives, which `"in_graph"` has none of."""
+    if execution == "in_graph" and timeout_seconds is not None:
+        warnings.warn(
+            "`timeout_seconds` has no effect on the 'in_graph' execution "
+            "path, which sums gradients in one graph without a collective "
+            "to time out. Pass execution='strategy' to bound the "
+            "all-reduce, or drop it. "
+            f"Received: timeout_seconds={timeout_seconds!r} with "
+            "execution='in_graph'", UserWarning, stacklevel=3)

@@ -1,5 +1,8 @@
 """Gradient all-reduce through `tf.distribute.ReplicaContext.all_reduce`."""
 
+import math
+
+import numpy as np
 import tensorflow as tf
 
 from keras_mirror.steps import _sparse
@@ -29,19 +32,25 @@ def communication_options(implementation="auto", bytes_per_pack=0,
             "`implementation` must be one of "
             f"{sorted(impls)}. Received: implementation={implementation!r}"
         )
-    if not isinstance(bytes_per_pack, int) or bytes_per_pack < 0:
+    if isinstance(bytes_per_pack, bool) or not isinstance(
+            bytes_per_pack, (int, np.integer)) or bytes_per_pack < 0:
         raise ValueError(
             "`bytes_per_pack` must be a non-negative integer. "
             f"Received: bytes_per_pack={bytes_per_pack!r}"
         )
-    if timeout_seconds is not None and not timeout_seconds > 0:
+    if timeout_seconds is not None and (
+            isinstance(timeout_seconds, bool)
+            or not isinstance(timeout_seconds, (int, float, np.integer,
+                                                np.floating))
+            or not timeout_seconds > 0 or not math.isfinite(timeout_seconds)):
         raise ValueError(
-            "`timeout_seconds` must be positive or None. "
+            "`timeout_seconds` must be positive (seconds) or None. "
             f"Received: timeout_seconds={timeout_seconds!r}"
         )
     return tf.distribute.experimental.CommunicationOptions(
-        bytes_per_pack=bytes_per_pack,
-        timeout_seconds=timeout_seconds,
+        bytes_per_pack=int(bytes_per_pack),
+        timeout_seconds=(None if timeout_seconds is None
+                         else float(timeout_seconds)),
         implementation=impls[implementation],
     )
 

@@ -36,3 +36,15 @@ class UnsafeModelError(KerasMirrorError, ValueError):
 
 class LossReductionError(KerasMirrorError, ValueError):
     """A loss term that is neither a batch mean nor a batch sum."""
+
+
+class StepBackupError(KerasMirrorError, ValueError):
+    """A step backup that is unreadable or does not fit the model."""
+
+
+class BackupDirectoryError(KerasMirrorError, OSError):
+    """A `StepBackup` directory that cannot be created or written."""
+
+
+class ModelFileError(KerasMirrorError, ValueError):
+    """A model file that is empty, truncated or corrupt."""

@@ -1,14 +1,18 @@
 """`MirroredModel`: exact synchronous data-parallel training of a model."""
 
+import functools
+
 import keras
 import tensorflow as tf
 
 from keras_mirror import _compat
 from keras_mirror import _compile
 from keras_mirror import _inputs
+from keras_mirror import _on_batch
 from keras_mirror import _rebuild
 from keras_mirror import _validate
 from keras_mirror import allreduce
+from keras_mirror import saving
 from keras_mirror._replica_attributes import ReplicaAttributes
 from keras_mirror.callbacks import replica_history
 from keras_mirror.callbacks import step_backup
@@ -131,6 +135,7 @@ class MirroredModel(ReplicaAttributes, dispatch.StepDispatch,
                  replica_stats=True, name=None):
         _compat.check_keras_version()
         _compat.check_backend()
+        _validate.check_no_outer_scope(model)
         _rebuild.check_model(model)
         if batch not in BATCH_MODES:
             raise ValueError(
@@ -165,6 +170,7 @@ class MirroredModel(ReplicaAttributes, dispatch.StepDispatch,
             execution, resolved, spec, own_step.has_custom_step(original),
             _execution.collective_options(bytes_per_pack, communication),
             _rebuild.synchronized_layers(original))
+        _validate.warn_unused_timeout(execution, timeout_seconds)
         if spec is None and execution == "strategy":
             strategy = devices_lib.mirrored_strategy(resolved, communication)
         elif spec is None:
@@ -233,6 +239,7 @@ class MirroredModel(ReplicaAttributes, dispatch.StepDispatch,
                 validation_data, (tf.data.Dataset, keras.utils.PyDataset)):
             validation_data, _ = _capacity.adapt_input(
                 self, validation_data, None)
+        _validate.check_more_fit_inputs(self, x, validation_data, kwargs)
         _compile.ensure_built(self, x, y, kwargs.get("sample_weight"))
         _validate.check_built_model(self, x, y)
         x, y, batch_size, kwargs = _worker_input.shard_fit_input(
@@ -260,6 +267,7 @@ class MirroredModel(ReplicaAttributes, dispatch.StepDispatch,
         _compile.require_compiled(self, "evaluate")
         if not kwargs.get("_use_cached_eval_dataset"):
             x, batch_size = _capacity.adapt_input(self, x, batch_size)
+            _validate.check_inputs(self, x, y, kwargs.get("sample_weight"))
             _compile.ensure_built(self, x, y, kwargs.get("sample_weight"))
         with self._homes.mirrored():
             return super().evaluate(x, y, batch_size=batch_size, **kwargs)
@@ -276,15 +284,18 @@ class MirroredModel(ReplicaAttributes, dispatch.StepDispatch,
     def train_on_batch(self, x, y=None, sample_weight=None, **kwargs):
         """Runs one exact step on one global batch."""
         _compile.require_compiled(self, "train_on_batch")
+        _validate.check_inputs(self, x, y, sample_weight)
         _capacity.on_batch(self, x)
         _compile.ensure_built(self, x, y, sample_weight)
         with self._homes.mirrored():
-            return super().train_on_batch(x, y, sample_weight=sample_weight,
-                                          **kwargs)
+            return _on_batch.checked(self, functools.partial(
+                super().train_on_batch, x, y, sample_weight=sample_weight,
+                **kwargs))
 
     def test_on_batch(self, x, y=None, sample_weight=None, **kwargs):
         """Evaluates one global batch exactly."""
         _compile.require_compiled(self, "test_on_batch")
+        _validate.check_inputs(self, x, y, sample_weight)
         _capacity.on_batch(self, x)
         _compile.ensure_built(self, x, y, sample_weight)
         with self._homes.mirrored():
@@ -323,7 +334,8 @@ class MirroredModel(ReplicaAttributes, dispatch.StepDispatch,
                 f"Received: filepath={filepath!r}")
         if not self.is_chief:
             return  # Only the chief writes; saving has no collective.
-        self._inner.save(filepath, overwrite=overwrite, **kwargs)
+        saving.write_atomically(self._inner.save, filepath, overwrite,
+                                **kwargs)
 
     def save_weights(self, filepath, overwrite=True, **kwargs):
         """Saves the weights (`.weights.h5`) of the wrapped model.
@@ -338,7 +350,8 @@ class MirroredModel(ReplicaAttributes, dispatch.StepDispatch,
                 f"Received: filepath={filepath!r}")
         if not self.is_chief:
             return  # Only the chief writes; saving has no collective.
-        self._inner.save_weights(filepath, overwrite=overwrite, **kwargs)
+        saving.write_atomically(self._inner.save_weights, filepath,
+                                overwrite, **kwargs)
 
     def load_weights(self, filepath, skip_mismatch=False, **kwargs):
         """Loads `.weights.h5` weights into the wrapped model (all replicas).
@@ -349,6 +362,7 @@ class MirroredModel(ReplicaAttributes, dispatch.StepDispatch,
                 "`filepath` must end in `.weights.h5`; full models load with "
                 "`keras.saving.load_model(..., safe_mode=True)`. "
                 f"Received: filepath={filepath!r}")
+        saving.check_weights_file(filepath)
         self._inner.load_weights(filepath, skip_mismatch=skip_mismatch,
                                  **kwargs)
 

@@ -9,10 +9,13 @@ it is a registered custom object), and calls Keras's loader with
 off process-wide (`keras.config.enable_unsafe_deserialization`).
 """
 
+import builtins
 import json
 import os
 import zipfile
+import zlib
 
+import h5py
 import keras
 
 from keras_mirror import _compat
@@ -21,6 +24,90 @@ from keras_mirror import errors
 # Packages whose objects Keras itself resolves by module in safe mode.
 _TRUSTED_PACKAGES = ("keras", "keras_hub", "keras_cv", "keras_nlp")
 _CONFIG = "config.json"
+_MAX_DEPTH = 100
+
+
+def write_atomically(save, filepath, overwrite=True, **kwargs):
+    """Runs `save(temporary, overwrite=True, **kwargs)`, then renames.
+
+    The temporary file sits in `filepath`'s directory (same file system),
+    is synced to disk and replaces `filepath` with `os.replace`, so that a
+    process killed at any moment leaves the previous file or the new one,
+    never a partial file or none. Temporaries of earlier killed saves of the
+    same file are removed first. With `overwrite=False` and an existing
+    file, Keras's own prompt decides (and writes in place).
+    """
+    path = _check_save_path(filepath)
+    if not overwrite and os.path.exists(path):
+        return save(path, overwrite=False, **kwargs)
+    directory, base = os.path.split(os.path.abspath(path))
+    extension = ".weights.h5" if base.endswith(".weights.h5") else \
+        os.path.splitext(base)[1]
+    prefix = f".{base}."
+    for name in os.listdir(directory):
+        if name.startswith(prefix) and name.endswith(".tmp" + extension):
+            _remove_quietly(os.path.join(directory, name))
+    temporary = os.path.join(directory,
+                             f"{prefix}{os.getpid()}.tmp{extension}")
+    try:
+        save(temporary, overwrite=True, **kwargs)
+        _fsync(temporary)
+        os.replace(temporary, path)
+    except BaseException:
+        _remove_quietly(temporary)
+        raise
+    _fsync(directory)
+
+
+def check_weights_file(filepath):
+    """A `.weights.h5` file must exist and open as HDF5 (not truncated)."""
+    if not os.path.isfile(filepath):
+        raise FileNotFoundError(
+            "`filepath` must name an existing `.weights.h5` file. "
+            f"Received: filepath={filepath!r}")
+    try:
+        h5py.File(filepath, "r").close()
+    except OSError as e:
+        raise errors.ModelFileError(
+            "`filepath` must be a complete `.weights.h5` file, but it "
+            f"cannot be opened ({e}); it is empty, truncated or corrupt. "
+            "Save the weights again or load an earlier copy. "
+            f"Received: filepath={filepath!r}") from None
+
+
+def _check_save_path(filepath):
+    path = os.fspath(filepath)
+    if os.path.isdir(path):
+        raise IsADirectoryError(
+            "`filepath` must name a file, not a directory. "
+            f"Received: filepath={filepath!r}")
+    directory = os.path.dirname(os.path.abspath(path))
+    if not os.path.isdir(directory):
+        raise FileNotFoundError(
+            f"`filepath` must be in an existing directory; {directory!r} "
+            "does not exist (create it first, e.g. with "
+            f"`os.makedirs`). Received: filepath={filepath!r}")
+    return path
+
+
+def _fsync(path):
+    try:
+        fd = os.open(path, os.O_RDONLY)
+    except OSError:
+        return
+    try:
+        os.fsync(fd)
+    except OSError:
+        pass
+    finally:
+        os.close(fd)
+
+
+def _remove_quietly(path):
+    try:
+        os.remove(path)
+    except OSError:
+        pass
 
 
 def _check_path(filepath):
@@ -40,6 +127,7 @@ def _check_path(filepath):
             f"Received: filepath={filepath!r}"
         )
     if not zipfile.is_zipfile(path):
+        _check_not_truncated(filepath, path)
         raise errors.UnsafeModelError(
             "`filepath` must be a `.keras` zip archive. "
             f"Received: filepath={filepath!r}, which is not a zip file"
@@ -47,20 +135,62 @@ def _check_path(filepath):
     return path
 
 
+def _check_not_truncated(filepath, path):
+    """An empty file, or a zip archive cut short: `ModelFileError`."""
+    with open(path, "rb") as f:
+        head = f.read(4)
+    if head in (b"", b"PK\x03\x04"):
+        what = "empty" if not head else "a truncated zip archive"
+        raise errors.ModelFileError(
+            f"`filepath` must be a complete `.keras` archive, but the file "
+            f"is {what} (a save that did not finish?). Save the model "
+            "again or load an earlier copy. "
+            f"Received: filepath={filepath!r}"
+        )
+
+
 def _read_config(path):
-    with zipfile.ZipFile(path) as archive:
-        if _CONFIG not in archive.namelist():
-            raise errors.UnsafeModelError(
-                f"`filepath` must be a `.keras` archive with a `{_CONFIG}`. "
-                f"Received: filepath={path!r}"
-            )
-        try:
-            return json.loads(archive.read(_CONFIG))
-        except ValueError as e:
-            raise errors.UnsafeModelError(
-                f"`filepath` holds a `{_CONFIG}` that is not valid JSON "
-                f"({e}). Received: filepath={path!r}"
-            ) from None
+    try:
+        with zipfile.ZipFile(path) as archive:
+            bad = archive.testzip()
+            if bad is not None:
+                raise zipfile.BadZipFile(f"bad CRC-32 for {bad!r}")
+            if _CONFIG not in archive.namelist():
+                raise errors.UnsafeModelError(
+                    f"`filepath` must be a `.keras` archive with a "
+                    f"`{_CONFIG}`. Received: filepath={path!r}"
+                )
+            text = archive.read(_CONFIG)
+    except (zipfile.BadZipFile, zlib.error, EOFError) as e:
+        raise errors.ModelFileError(
+            f"`filepath` must be an intact `.keras` archive, but it is "
+            f"corrupt ({e}). Save the model again or load an earlier copy. "
+            f"Received: filepath={path!r}"
+        ) from None
+    try:
+        return json.loads(text)
+    except RecursionError:
+        raise errors.UnsafeModelError(
+            f"`filepath` holds a `{_CONFIG}` nested too deeply to be a "
+            f"Keras model config. Received: filepath={path!r}"
+        ) from None
+    except ValueError as e:
+        raise errors.UnsafeModelError(
+            f"`filepath` holds a `{_CONFIG}` that is not valid JSON "
+            f"({e}). Received: filepath={path!r}"
+        ) from None
+
+
+def _depth(config):
+    """How deeply dicts and lists nest in `config` (iteratively)."""
+    deepest, stack = 0, [(config, 1)]
+    while stack:
+        node, depth = stack.pop()
+        if isinstance(node, (dict, list)):
+            deepest = max(deepest, depth)
+            values = node.values() if isinstance(node, dict) else node
+            stack.extend((v, depth + 1) for v in values)
+    return deepest
 
 
 def _is_registered(entry, custom_objects):
@@ -89,7 +219,9 @@ def _unsafe_entry(entry, custom_objects):
     module = entry.get("module")
     if not isinstance(module, str) or "class_name" not in entry:
         return None
-    if module == "builtins" or module.split(".")[0] in _TRUSTED_PACKAGES:
+    if module == "builtins":
+        return _unsafe_builtin(entry)
+    if module.split(".")[0] in _TRUSTED_PACKAGES:
         return None
     if _is_registered(entry, custom_objects):
         return None
@@ -97,8 +229,27 @@ def _unsafe_entry(entry, custom_objects):
             "which is neither part of Keras nor a registered custom object")
 
 
+def _unsafe_builtin(entry):
+    """Keras writes `module: builtins` only for its own functions by name
+    (`class_name: function`, `config: 'relu'`); a Python builtin is code."""
+    name = entry.get("config")
+    if entry.get("class_name") != "function" or not isinstance(name, str) \
+            or hasattr(builtins, name):
+        shown = name if entry.get("class_name") == "function" else \
+            entry.get("class_name")
+        return (f"the Python builtin {shown!r} (module 'builtins'), "
+                "which is not a Keras function")
+    return None
+
+
 def check_config(config, filepath, custom_objects=None):
     """Raises `UnsafeModelError` if `config` names code outside Keras."""
+    if _depth(config) > _MAX_DEPTH:
+        raise errors.UnsafeModelError(
+            f"`filepath` holds a `{_CONFIG}` nested deeper than "
+            f"{_MAX_DEPTH} levels, too deep for a Keras model config. "
+            f"Received: filepath={filepath!r}"
+        )
     for entry in _objects(config):
         reason = _unsafe_entry(entry, custom_objects)
         if reason:

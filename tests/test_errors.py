@@ -8,9 +8,11 @@ that the doc has a row per case.
 """
 
 import dataclasses
+import json
 import os
 import re
 import warnings
+import zipfile
 from typing import Callable
 
 import keras
@@ -127,6 +129,77 @@ class Case:
     make: Callable
     error: type
     match: str
+
+
+# -- issue 16: helpers for the cases below --------------------------------
+
+def _saved_keras(name="m.keras"):
+    _seq().save(name)
+    return name
+
+
+def _truncated_keras():
+    path = _saved_keras()
+    with open(path, "rb") as f:
+        data = f.read()
+    with open(path, "wb") as f:
+        f.write(data[:len(data) // 2])
+    return path
+
+
+def _truncated_weights():
+    _seq().save_weights("w.weights.h5")
+    with open("w.weights.h5", "rb") as f:
+        data = f.read()
+    with open("w.weights.h5", "wb") as f:
+        f.write(data[:len(data) // 2])
+    return "w.weights.h5"
+
+
+def _flipped_keras():
+    path = _saved_keras()
+    with open(path, "rb") as f:
+        data = bytearray(f.read())
+    middle = len(data) // 2
+    data[middle:middle + 64] = bytes(b ^ 0xFF for b in data[middle:middle + 64])
+    with open(path, "wb") as f:
+        f.write(bytes(data))
+    return path
+
+
+def _keras_with_config(text):
+    path = _saved_keras()
+    with zipfile.ZipFile(path) as z:
+        items = {i: z.read(i) for i in z.namelist()}
+    items["config.json"] = text
+    with zipfile.ZipFile(path, "w") as z:
+        for name, data in items.items():
+            z.writestr(name, data)
+    return path
+
+
+def _builtins_eval_keras():
+    path = _saved_keras()
+    with zipfile.ZipFile(path) as z:
+        config = json.loads(z.read("config.json"))
+    dense = config["config"]["layers"][-1]["config"]
+    dense["activation"] = {"module": "builtins", "class_name": "function",
+                           "config": "eval", "registered_name": "function"}
+    return _keras_with_config(json.dumps(config))
+
+
+def _in_scope(cpus):
+    with tf.distribute.OneDeviceStrategy(cpus[0]).scope():
+        keras_mirror.MirroredModel(_seq(), cpus)
+
+
+def _ragged_x():
+    return tf.ragged.constant([[1.0, 2.0, 3.0]] * 7 + [[1.0, 2.0]])
+
+
+def _make_dir_and_save(cpus):
+    os.mkdir("folder.keras")
+    _mirrored(cpus).save("folder.keras")
 
 
 CASES = {
@@ -455,6 +528,143 @@ CASES = {
         errors.ClusterConfigError,
         r"`TF_CONFIG\['task'\]\['index'\]` must be in \[0, 2\).*"
         r"Received: TF_CONFIG\['task'\]\['index'\]=5"),
+    "x_string": Case(
+        "x", "'data.csv' (a string)",
+        lambda cpus: _fit(cpus, "data.csv", Y),
+        ValueError, r"`x` must be arrays, a `tf.data.Dataset`, a "
+        r"`keras.utils.PyDataset` or a generator, not a string\. "
+        r"Received: x='data.csv'"),
+    "y_object_array": Case(
+        "y", "a NumPy array of dtype object (rows of different lengths)",
+        lambda cpus: _fit(cpus, X[:2], np.array([[1.0], [1.0, 2.0]],
+                                                dtype=object)),
+        ValueError, r"`y` must hold numbers \(or strings\), not Python "
+        r"objects.*Received: y with dtype=object"),
+    "y_strings": Case(
+        "y", "string labels",
+        lambda cpus: _fit(cpus, X, np.array(["cat"] * 8)),
+        ValueError, r"`y` must hold numbers, which a loss can compare.*"
+        r"Received: y with dtype=<U3"),
+    "x_ragged": Case(
+        "x", "a tf.RaggedTensor",
+        lambda cpus: _fit(cpus, _ragged_x(), Y),
+        ValueError, r"`x` must not hold a `tf.RaggedTensor`.*"
+        r"Received: x=tf.RaggedTensor with shape \(8, None\)"),
+    "evaluate_input_shape": Case(
+        "x", "shape (8, 4) in `evaluate` for an input of shape (None, 3)",
+        lambda cpus: _mirrored(cpus).evaluate(np.ones((8, 4)), Y, verbose=0),
+        ValueError, r"`x` must have the shape \(None, 3\) \(None: any "
+        r"size\) of the model's input\. Received: x.shape=\(8, 4\)"),
+    "train_on_batch_input_shape": Case(
+        "x", "shape (8, 4) in `train_on_batch`",
+        lambda cpus: _mirrored(cpus).train_on_batch(np.ones((8, 4)), Y),
+        ValueError, r"`x` must have the shape \(None, 3\).*"
+        r"Received: x.shape=\(8, 4\)"),
+    "generator_input_shape": Case(
+        "x", "a generator of batches of shape (2, 4)",
+        lambda cpus: _fit(cpus, ((np.ones((2, 4), "float32"), Y[:2])
+                                 for _ in range(4))),
+        ValueError, r"`x` must have the shape \(None, 3\).*"
+        r"Received: x.shape=\(2, 4\)"),
+    "validation_data_shape": Case(
+        "validation_data", "inputs of shape (4, 4), checked before training",
+        lambda cpus: _fit(cpus, X, Y,
+                          validation_data=(np.ones((4, 4)), Y[:4])),
+        ValueError, r"`validation_data` must have the shape \(None, 3\).*"
+        r"Received: validation_data.shape=\(4, 4\)"),
+    "dataset_sample_weight_rows": Case(
+        "x", "a dataset whose batches hold 5 sample weights for 8 rows",
+        lambda cpus: _fit(cpus, tf.data.Dataset.from_tensors(
+            (X, Y, np.ones(5, "float32")))),
+        ValueError, r"Each batch of `x` must have as many sample_weight "
+        r"rows as input rows \(8\)\. Received: a batch with 5 "
+        r"sample_weight rows and 8 input rows"),
+    "class_weight_list": Case(
+        "class_weight", "[1.0, 2.0] (a list)",
+        lambda cpus: _fit(cpus, X, Y, class_weight=[1.0, 2.0]),
+        ValueError, r"`class_weight` must be a dict mapping class indices "
+        r"\(ints\) to weights\. Received: class_weight=\[1.0, 2.0\]"),
+    "devices_garbage": Case(
+        "devices", "['garbage']",
+        lambda cpus: keras_mirror.MirroredModel(_seq(), ["garbage"]),
+        errors.DeviceError, r"Each entry of `devices` must name one device "
+        r"with its type and index.*Received: devices entry 'garbage'"),
+    "devices_other_task": Case(
+        "devices", "['/job:worker/task:3/device:CPU:0']",
+        lambda cpus: keras_mirror.MirroredModel(
+            _seq(), ["/job:worker/task:3/device:CPU:0"]),
+        errors.DeviceError, r"`devices` names "
+        r"'/job:worker/task:3/device:CPU:0', a device of another job or "
+        r"task.*Received: devices="),
+    "timeout_seconds_string": Case(
+        "timeout_seconds", "'5' (a string)",
+        lambda cpus: keras_mirror.MirroredModel(
+            _seq(), cpus, timeout_seconds="5"),
+        ValueError, r"`timeout_seconds` must be positive \(seconds\) or "
+        r"None\. Received: timeout_seconds='5'"),
+    "timeout_seconds_bool": Case(
+        "timeout_seconds", "True",
+        lambda cpus: keras_mirror.MirroredModel(
+            _seq(), cpus, timeout_seconds=True),
+        ValueError, r"`timeout_seconds` must be positive.*"
+        r"Received: timeout_seconds=True"),
+    "bytes_per_pack_bool": Case(
+        "bytes_per_pack", "True",
+        lambda cpus: keras_mirror.MirroredModel(
+            _seq(), cpus, bytes_per_pack=True),
+        ValueError, r"`bytes_per_pack` must be a non-negative integer\. "
+        r"Received: bytes_per_pack=True"),
+    "save_to_directory": Case(
+        "filepath", "an existing directory 'folder.keras'",
+        _make_dir_and_save,
+        IsADirectoryError, r"`filepath` must name a file, not a "
+        r"directory\. Received: filepath='folder.keras'"),
+    "save_to_missing_directory": Case(
+        "filepath", "'missing/m.keras'",
+        lambda cpus: _mirrored(cpus).save("missing/m.keras"),
+        FileNotFoundError, r"`filepath` must be in an existing directory; "
+        r"'.*missing' does not exist.*Received: filepath='missing/m.keras'"),
+    "load_model_empty": Case(
+        "filepath", "an empty `.keras` file",
+        lambda cpus: saving.load_model(open("m.keras", "w").close()
+                                       or "m.keras"),
+        errors.ModelFileError, r"`filepath` must be a complete `.keras` "
+        r"archive, but the file is empty.*Received: filepath='m.keras'"),
+    "load_model_truncated": Case(
+        "filepath", "a `.keras` file cut in half",
+        lambda cpus: saving.load_model(_truncated_keras()),
+        errors.ModelFileError, r"`filepath` must be a complete `.keras` "
+        r"archive, but the file is a truncated zip archive.*"
+        r"Received: filepath='m.keras'"),
+    "load_model_corrupt": Case(
+        "filepath", "a `.keras` file with 64 flipped bytes",
+        lambda cpus: saving.load_model(_flipped_keras()),
+        errors.ModelFileError, r"`filepath` must be an intact `.keras` "
+        r"archive, but it is corrupt.*Received: filepath='m.keras'"),
+    "load_model_deep_json": Case(
+        "filepath", "a config.json nested 100000 levels deep",
+        lambda cpus: saving.load_model(_keras_with_config(
+            "[" * 100000 + "]" * 100000)),
+        errors.UnsafeModelError, r"`filepath` holds a `config.json` nested "
+        r"too deeply.*Received: filepath='m.keras'"),
+    "load_model_builtins_eval": Case(
+        "filepath", "a config naming `builtins.eval` as an activation",
+        lambda cpus: saving.load_model(_builtins_eval_keras()),
+        errors.UnsafeModelError, r"config names the Python builtin 'eval' "
+        r"\(module 'builtins'\), which is not a Keras function.*"
+        r"Received: filepath='m.keras'"),
+    "load_weights_truncated": Case(
+        "filepath", "a `.weights.h5` file cut in half",
+        lambda cpus: _mirrored(cpus).load_weights(_truncated_weights()),
+        errors.ModelFileError, r"`filepath` must be a complete "
+        r"`.weights.h5` file, but it cannot be opened .*it is empty, "
+        r"truncated or corrupt.*Received: filepath='w.weights.h5'"),
+    "created_in_strategy_scope": Case(
+        "MirroredModel", "created inside OneDeviceStrategy.scope()",
+        _in_scope,
+        ValueError, r"`MirroredModel` must be created outside any "
+        r"`tf.distribute.Strategy.scope\(\)`.*Received: a MirroredModel "
+        r"created inside OneDeviceStrategy.scope\(\)"),
 }
 
 
@@ -501,3 +711,46 @@ def test_errors_subclass_builtins():
     assert issubclass(errors.UnsafeModelError, ValueError)
     assert issubclass(errors.NonFiniteError, FloatingPointError)
     assert issubclass(errors.ClusterConfigError, ValueError)
+
+
+def test_numpy_integers_are_accepted(cpus):
+    """`bytes_per_pack` and `timeout_seconds` take NumPy numbers too."""
+    mirrored = keras_mirror.MirroredModel(
+        _seq(), cpus, bytes_per_pack=np.int64(1024),
+        timeout_seconds=np.int64(5))
+    assert mirrored.execution == "strategy"
+
+
+def test_nested_model_config_is_not_too_deep():
+    inner = keras.Sequential([keras.Input((3,)), keras.layers.Dense(2)])
+    middle = keras.Sequential([keras.Input((3,)), inner])
+    inputs = keras.Input((3,))
+    outer = keras.Model(inputs, keras.Sequential([middle])(inputs))
+    config = keras.saving.serialize_keras_object(outer)
+    assert saving._depth(config) < saving._MAX_DEPTH / 2
+
+
+def test_issue16_errors_subclass_builtins():
+    assert issubclass(errors.ModelFileError, ValueError)
+    assert issubclass(errors.StepBackupError, ValueError)
+    assert issubclass(errors.BackupDirectoryError, OSError)
+
+
+def test_many_more_replicas_than_rows_warns(cpus):
+    """4 replicas, global batches of 1 row: 3 shards are always empty."""
+    with pytest.warns(UserWarning, match=(
+            r"4 replicas for a global batch of 1 rows: 3 replicas get an "
+            r"empty shard every step.*Received: batch_size=1 with 4 "
+            r"replicas")):
+        _fit(cpus, X[:2], Y[:2], batch_size=1)
+    with warnings.catch_warnings():
+        warnings.simplefilter("error", UserWarning)
+        _fit(cpus, X, Y, batch_size=2)  # 2 of 4 replicas busy: no warning
+
+
+def test_timeout_seconds_on_the_in_graph_path_warns(cpus):
+    with pytest.warns(UserWarning, match=(
+            r"`timeout_seconds` has no effect on the 'in_graph' execution "
+            r"path.*Received: timeout_seconds=5 with execution='in_graph'")):
+        keras_mirror.MirroredModel(_seq(), cpus, timeout_seconds=5,
+                                   execution="in_graph")

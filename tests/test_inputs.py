@@ -2,8 +2,10 @@
 
 import keras
 import numpy as np
+import pytest
 import tensorflow as tf
 from helpers import data
+from helpers import max_diff
 from helpers import mlp
 
 import keras_mirror
@@ -81,3 +83,48 @@ def test_unbuilt_model_builds_from_the_spec(cpus):
     mirrored.fit(dataset, epochs=1, verbose=0)
     assert len(reads) == 3
     assert mirrored.model.built
+
+
+# -- issue 16, defect 7: a generator in batch="per_replica" mode gives N
+# consecutive elements to one step, as a dataset or PyDataset does --------
+
+def _elements(count, rows=2):
+    x, y, _ = data(count * rows)
+    return x, y, [(x[i * rows:(i + 1) * rows], y[i * rows:(i + 1) * rows])
+                  for i in range(count)]
+
+
+def _mirrored(cpus):
+    mirrored = keras_mirror.MirroredModel(mlp(), devices=cpus,
+                                          batch="per_replica")
+    mirrored.compile(optimizer="sgd", loss="mse")
+    return mirrored
+
+
+def test_generator_per_replica_groups_num_replicas_elements(cpus):
+    x, y, elements = _elements(8)
+    mirrored = _mirrored(cpus)
+    mirrored.fit(iter(elements), epochs=1, verbose=0)
+    steps = mirrored.replica_history["batch"]
+    assert len(steps) == 2
+    assert [steps[i]["samples"] for i in (0, 1)] == [[2, 2, 2, 2]] * 2
+    # One device, a generator of the two global batches of 8 rows. (Keras
+    # counts one more optimizer iteration at the end of an input of
+    # unknown length, on one device as here.)
+    reference = mlp()
+    reference.compile(optimizer="sgd", loss="mse")
+    reference.fit(((x[i:i + 8], y[i:i + 8]) for i in (0, 8)), verbose=0)
+    assert int(mirrored.optimizer.iterations.numpy()) == \
+        int(reference.optimizer.iterations.numpy())
+    assert max_diff(reference.get_weights(),
+                    mirrored.model.get_weights()) < 1e-5
+
+
+def test_generator_per_replica_short_last_group_is_refused(cpus):
+    _, _, elements = _elements(6)
+    with pytest.raises(Exception, match=(
+            r"`batch='per_replica'` needs the number of batches to be a "
+            r"multiple of the replica count \(4\): the last group of "
+            r"batches is short. Received: a final group of 2 batch\(es\) "
+            "from the generator `x`")):
+        _mirrored(cpus).fit(iter(elements), epochs=1, verbose=0)

@@ -192,3 +192,54 @@ def test_clean_run_does_not_warn(cpus):
     _, messages = _fit(mirrored, *_data(None))
     assert messages == []
     assert mirrored.replica_history["batch"][0]["nonfinite"] == [0] * 4
+
+
+# -- train_on_batch behaves as fit (issue 16, defect 2) -------------------
+
+def _dense(cpus, mode):
+    """A plain Dense model (no `GradTrap`): the NaN row poisons replica 2."""
+    model = keras.Sequential([keras.Input((3,)), keras.layers.Dense(1)])
+    mirrored = keras_mirror.MirroredModel(model, devices=cpus,
+                                          on_nonfinite=mode)
+    mirrored.compile(optimizer="adam", loss="mse")
+    return mirrored
+
+
+def _on_batch(mirrored, x, y):
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        mirrored.train_on_batch(x, y)
+    return [str(w.message) for w in caught
+            if issubclass(w.category, RuntimeWarning)]
+
+
+def test_train_on_batch_raise(cpus):
+    mirrored = _dense(cpus, "raise")
+    before = _state(mirrored)
+    with pytest.raises(errors.NonFiniteError,
+                       match=r"at step 1 on replica\(s\) \[2\] \(counts "
+                             r"\[\d+\]\); the update was skipped. Set "):
+        mirrored.train_on_batch(*_data("nan"))
+    assert _same(_state(mirrored)[0], before[0])
+    assert _state(mirrored)[1] == 0
+
+
+def test_train_on_batch_skip_step(cpus):
+    mirrored = _dense(cpus, "skip_step")
+    before = _state(mirrored)
+    messages = _on_batch(mirrored, *_data("inf_target"))
+    assert len(messages) == 1
+    assert "at step 1 on replica(s) [2]" in messages[0]
+    assert "the update was skipped on all replicas" in messages[0]
+    assert _same(_state(mirrored)[0], before[0])
+    assert _on_batch(mirrored, *_data(None)) == []
+    assert _state(mirrored)[1] == 1
+
+
+def test_train_on_batch_warn(cpus):
+    mirrored = _dense(cpus, "warn")
+    messages = _on_batch(mirrored, *_data("nan"))
+    assert len(messages) == 1
+    assert "at step 1 on replica(s) [2]" in messages[0]
+    assert "the update was applied" in messages[0]
+    assert _state(mirrored)[1] == 1

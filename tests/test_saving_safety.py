@@ -11,9 +11,14 @@ written to touch a marker file if it ever ran.
 
 import ast
 import json
+import os
 import pathlib
+import signal
+import subprocess
+import sys
 import zipfile
 
+import h5py
 import keras
 import numpy as np
 import pytest
@@ -281,3 +286,85 @@ def test_keras_version_is_checked(monkeypatch):
         _compat.check_keras_version()
     with pytest.raises(ImportError):
         saving.load_model("whatever.keras")
+
+
+# -- atomic saves (issue 16, defect 3) ------------------------------------
+
+KILL_WORKER = pathlib.Path(__file__).parent / "workers" / "kill_mid_save.py"
+
+
+def _run_killed(mode, directory):
+    env = dict(os.environ, PYTHONPATH=os.pathsep.join(
+        [str(PACKAGE.parent)] + sys.path))
+    proc = subprocess.run(
+        [sys.executable, str(KILL_WORKER), mode, str(directory)],
+        capture_output=True, text=True, timeout=120, env=env)
+    assert proc.returncode == -signal.SIGKILL, proc.stdout + proc.stderr
+    assert "killing myself mid-save" in proc.stdout
+    with np.load(directory / "first.npz") as f:
+        return [f[k] for k in f.files]
+
+
+def _max_diff(a, b):
+    return max(float(np.max(np.abs(p - q))) for p, q in zip(a, b))
+
+
+@pytest.mark.timeout(150)
+def test_kill_mid_save_keeps_the_previous_file(tmp_path, cpus):
+    first = _run_killed("save", tmp_path)
+    loaded = keras.saving.load_model(tmp_path / "model.keras")
+    assert _max_diff(loaded.get_weights(), first) == 0.0
+    leftovers = [p.name for p in tmp_path.iterdir() if ".tmp." in p.name]
+    assert len(leftovers) == 1 and leftovers[0].startswith(".model.keras.")
+    # The next save of the same file removes the killed save's temporary.
+    mirrored = keras_mirror.MirroredModel(loaded, devices=cpus[:2])
+    mirrored.save(tmp_path / "model.keras")
+    assert sorted(p.name for p in tmp_path.iterdir()) == [
+        "first.npz", "model.keras"]
+
+
+@pytest.mark.timeout(150)
+def test_kill_mid_model_checkpoint_keeps_the_previous_file(tmp_path):
+    first = _run_killed("checkpoint", tmp_path)
+    model = keras.Sequential([keras.Input((4,)), keras.layers.Dense(3)])
+    model.load_weights(tmp_path / "ckpt.weights.h5")
+    assert _max_diff(model.get_weights(), first) == 0.0
+
+
+class _Boom(Exception):
+    pass
+
+
+@pytest.mark.parametrize("method,name", [
+    ("save", "m.keras"), ("save_weights", "m.weights.h5")])
+def test_failed_save_leaves_the_old_file_and_no_temporary(
+        tmp_path, cpus, monkeypatch, method, name):
+    mirrored = keras_mirror.MirroredModel(_model(), devices=cpus[:2])
+    getattr(mirrored, method)(tmp_path / name)
+    before = (tmp_path / name).read_bytes()
+
+    def fail(self, *args, **kwargs):
+        raise _Boom()
+
+    monkeypatch.setattr(zipfile.ZipFile, "close", fail)
+    monkeypatch.setattr(h5py.File, "close", fail)
+    with pytest.raises(_Boom):
+        getattr(mirrored, method)(tmp_path / name)
+    monkeypatch.undo()
+    assert (tmp_path / name).read_bytes() == before
+    assert [p.name for p in tmp_path.iterdir()] == [name]
+
+
+def test_save_to_a_directory_or_a_missing_one(tmp_path, cpus):
+    mirrored = keras_mirror.MirroredModel(_model(), devices=cpus[:2])
+    folder = tmp_path / "folder.keras"
+    folder.mkdir()
+    with pytest.raises(IsADirectoryError, match=(
+            "`filepath` must name a file, not a directory. Received: "
+            f"filepath='{folder}'")):
+        mirrored.save(folder)
+    missing = tmp_path / "nope" / "m.weights.h5"
+    with pytest.raises(FileNotFoundError, match=(
+            f"`filepath` must be in an existing directory; "
+            f"'{tmp_path / 'nope'}' does not exist")):
+        mirrored.save_weights(missing)

@@ -5,33 +5,52 @@ epoch, so a killed and restarted run does not end with the weights of an
 uninterrupted one. `StepBackup` saves, every `every_n_steps` optimizer
 steps and at every epoch end, the model's weights, the optimizer's
 variables (its `iterations` included) and the position `(epoch, step in
-epoch)`. When `MirroredModel.fit` is given a `StepBackup` whose directory
-holds a backup, it restores them and resumes at that epoch, skipping the
-batches that epoch already trained on, so the run ends with the same step
-count and weights as an uninterrupted one.
+epoch)`. The model's state includes every variable, not only its
+weights: the seed generators' states too, so that `Dropout` and other
+random layers draw the same numbers after a resume. When
+`MirroredModel.fit` is given a `StepBackup` whose directory holds a backup,
+it checks the whole backup against the model (a backup that is truncated or
+does not fit raises `StepBackupError` naming the file, before anything is
+assigned), restores it and resumes at that position on the batches an
+uninterrupted run would read from there (`validation_split` and
+`steps_per_epoch` included, see `keras_mirror._resume`), so the run ends
+with the same step count and weights as an uninterrupted one.
 
-Requirements: deterministic input, identical on every run (arrays with
-`shuffle=False`, or a `tf.data.Dataset` without unseeded shuffling): the
-skipped batches are the first `step` batches of the resumed epoch. Only the
+At `on_train_begin` the directory is created and checked with a probe
+file and its free space (an unwritable or full directory raises
+`BackupDirectoryError` naming it before the first step), and temporary
+files left by a writer killed mid-write are removed.
+
+Requirements: deterministic input, identical on every run (arrays or a
+`keras.utils.PyDataset` with `shuffle=False`, or a `tf.data.Dataset`
+without unseeded shuffling): the batches already trained on are skipped.
+A Python generator cannot be skipped and resumes only at epoch starts. Only the
 chief writes (atomically: a temporary file renamed into place); every
 worker reads the same file on resume, so with workers on several hosts the
 directory must be on a shared file system. The backup is deleted when
-`fit` completes (unless `delete_on_train_end=False`).
+`fit` completes (unless `delete_on_train_end=False`; `fit` given a
+finished backup trains nothing and returns an empty `History`).
 
 Preemption: while it is in `fit`, SIGTERM to any worker stops every worker
 after the same step, with the backup written there, and exits with code 75
 for a restart (see `keras_mirror._preemption`).
 """
 
+import errno
 import os
+import zipfile
+import zlib
 
 import keras
 import numpy as np
-import tensorflow as tf
 
+from keras_mirror import _resume
+from keras_mirror import errors
+from keras_mirror.distribute import _homes
 from keras_mirror.distribute import _preemption
 
 _FILE = "step_backup.npz"
+_TMP_SUFFIX = ".tmp.npz"
 
 
 class StepBackup(keras.callbacks.Callback):
@@ -56,16 +75,26 @@ class StepBackup(keras.callbacks.Callback):
                  delete_on_train_end=True):
         super().__init__()
         if isinstance(every_n_steps, bool) or not isinstance(
-                every_n_steps, int) or every_n_steps < 1:
+                every_n_steps, (int, np.integer)) or every_n_steps < 1:
             raise ValueError(
                 "`every_n_steps` must be a positive integer. "
                 f"Received: every_n_steps={every_n_steps!r}")
-        self.backup_dir = str(backup_dir)
-        self.every_n_steps = every_n_steps
+        if not isinstance(backup_dir, (str, os.PathLike)) or \
+                not os.fspath(backup_dir):
+            raise ValueError(
+                "`backup_dir` must be a non-empty path. "
+                f"Received: backup_dir={backup_dir!r}")
+        if not isinstance(delete_on_train_end, bool):
+            raise ValueError(
+                "`delete_on_train_end` must be True or False. "
+                f"Received: delete_on_train_end={delete_on_train_end!r}")
+        self.backup_dir = os.fspath(backup_dir)
+        self.every_n_steps = int(every_n_steps)
         self.delete_on_train_end = delete_on_train_end
         self._epoch = 0
         self._offset = 0
         self._partial = False
+        self._checked = False
 
     @property
     def path(self):
@@ -75,56 +104,155 @@ class StepBackup(keras.callbacks.Callback):
 
     @staticmethod
     def _variables(mirrored):
-        return (list(mirrored._inner.weights),
-                list(mirrored.optimizer.variables))
+        """Every variable a step changes: the model's (weights and seed
+        generators' states, so that Dropout resumes exactly) and its
+        optimizers' (`iterations` included; a GAN's two optimizers too)."""
+        model = mirrored.model
+        optimizers = [mirrored.optimizer] + _homes.optimizers_of(model)
+        return (_unique(model.variables),
+                _unique([v for opt in optimizers if opt is not None
+                         for v in opt.variables]))
 
     def _is_chief(self):
         return getattr(self.model, "is_chief", True)
 
     def save(self, epoch, step):
-        """Writes the state after `step` batches of `epoch` (chief only)."""
+        """Writes the state after `step` batches of `epoch` (chief only).
+
+        Atomic: a temporary file in the backup directory, renamed over the
+        backup, so that a kill at any moment leaves the previous backup or
+        the new one.
+        """
         if not self._is_chief():
             return
-        weights, opt_vars = self._variables(self.model)
+        model_vars, opt_vars = self._variables(self.model)
         arrays = {f"w{i}": np.asarray(v.numpy())
-                  for i, v in enumerate(weights)}
+                  for i, v in enumerate(model_vars)}
         arrays.update({f"o{i}": np.asarray(v.numpy())
                        for i, v in enumerate(opt_vars)})
         arrays["position"] = np.array([epoch, step], np.int64)
-        os.makedirs(self.backup_dir, exist_ok=True)
-        temporary = f"{self.path}.{os.getpid()}.tmp.npz"
-        np.savez(temporary, **arrays)
-        os.replace(temporary, self.path)
+        temporary = f"{self.path}.{os.getpid()}{_TMP_SUFFIX}"
+        try:
+            os.makedirs(self.backup_dir, exist_ok=True)
+            np.savez(temporary, **arrays)
+            os.replace(temporary, self.path)
+        except OSError as e:
+            _remove_quietly(temporary)
+            raise self._directory_error(e) from e
+
+    def _read(self):
+        """The backup's arrays by key; StepBackupError if unreadable."""
+        try:
+            with np.load(self.path) as f:
+                return {k: f[k] for k in f.files}
+        except (OSError, ValueError, EOFError, KeyError,
+                zipfile.BadZipFile, zlib.error) as e:
+            raise errors.StepBackupError(
+                f"The step backup {self.path!r} cannot be read "
+                f"({type(e).__name__}: {e}); it is truncated or corrupt. "
+                "Delete it to train from the start (or from your last "
+                "checkpoint), or pass another `backup_dir`. "
+                f"Received: backup_dir={self.backup_dir!r}") from None
+
+    def _check(self, arrays, variables):
+        """Raises StepBackupError unless `arrays` fit `variables` exactly."""
+        model_vars, opt_vars = variables
+        counts = (sum(_is_key(k, "w") for k in arrays),
+                  sum(_is_key(k, "o") for k in arrays))
+        if counts != (len(model_vars), len(opt_vars)) or \
+                "position" not in arrays:
+            raise self._mismatch(
+                f"it holds {counts[0]} model and {counts[1]} optimizer "
+                f"variables, the model and optimizer have "
+                f"{len(model_vars)} and {len(opt_vars)}")
+        for prefix, group in (("w", model_vars), ("o", opt_vars)):
+            for i, v in enumerate(group):
+                value = arrays[f"{prefix}{i}"]
+                if tuple(value.shape) != tuple(v.shape):
+                    raise self._mismatch(
+                        f"variable {v.path!r} has shape {tuple(v.shape)}, "
+                        f"the backup {tuple(value.shape)}")
+
+    def _mismatch(self, detail):
+        return errors.StepBackupError(
+            f"The step backup {self.path!r} does not match this model and "
+            f"optimizer: {detail}. Nothing was restored. Delete it (or pass "
+            "another `backup_dir`) to train this model from the start. "
+            f"Received: backup_dir={self.backup_dir!r}")
 
     def load(self, mirrored):
-        """Restores a backup into `mirrored`; returns (epoch, step) or None."""
+        """Restores a backup into `mirrored`; returns (epoch, step) or None.
+
+        Reads and checks the whole backup before assigning any variable: a
+        backup that is unreadable or does not fit changes nothing.
+        """
         if not os.path.exists(self.path):
             return None
-        weights, opt_vars = self._variables(mirrored)
-        with np.load(self.path) as f:
-            w = [f[f"w{i}"] for i in range(len(weights))]
-            o = [f[f"o{i}"] for i in range(len(opt_vars))]
-            if sum(k.startswith("w") for k in f.files) != len(weights) or \
-                    sum(k.startswith("o") for k in f.files) != len(opt_vars):
-                raise ValueError(
-                    "The backup does not match this model and optimizer. "
-                    f"Received: backup_dir={self.backup_dir!r}")
-            epoch, step = (int(v) for v in f["position"])
+        arrays = self._read()
+        variables = self._variables(mirrored)
+        self._check(arrays, variables)
+        values = [arrays[f"w{i}"] for i in range(len(variables[0]))] + \
+            [arrays[f"o{i}"] for i in range(len(variables[1]))]
         with mirrored.strategy.scope():
-            for v, value in zip(weights + opt_vars, w + o):
+            for v, value in zip(variables[0] + variables[1], values):
                 v.assign(value)
-        return epoch, step
+        return tuple(int(v) for v in arrays["position"])
+
+    # -- the directory -----------------------------------------------------
+
+    def _directory_error(self, e):
+        return errors.BackupDirectoryError(
+            f"StepBackup cannot write to its directory {self.backup_dir!r} "
+            f"({type(e).__name__}: {e.strerror or e}). Pass a writable "
+            "`backup_dir` with free space for one backup. "
+            f"Received: backup_dir={self.backup_dir!r}")
+
+    def check_directory(self):
+        """Creates the directory, removes stale temporary files of killed
+        writers, writes a probe file and checks that one backup fits in the
+        free space (chief only)."""
+        if not self._is_chief():
+            return
+        probe = os.path.join(self.backup_dir,
+                             f".probe.{os.getpid()}{_TMP_SUFFIX}")
+        try:
+            os.makedirs(self.backup_dir, exist_ok=True)
+            for name in os.listdir(self.backup_dir):
+                if name.startswith(_FILE + ".") and \
+                        name.endswith(_TMP_SUFFIX):
+                    os.remove(os.path.join(self.backup_dir, name))
+            with open(probe, "wb") as f:
+                f.write(b"\0")
+                f.flush()
+                os.fsync(f.fileno())
+            self._check_free_space()
+        except OSError as e:
+            raise self._directory_error(e) from e
+        finally:
+            _remove_quietly(probe)
+
+    def _check_free_space(self):
+        needed = sum(v.numpy().nbytes for group in self._variables(
+            self.model) for v in group)
+        stat = os.statvfs(self.backup_dir)
+        free = stat.f_bavail * stat.f_frsize
+        if free < needed:
+            raise OSError(errno.ENOSPC, f"{free} bytes free, one backup "
+                          f"needs about {needed}")
 
     # -- callback ----------------------------------------------------------
 
     def on_train_begin(self, logs=None):
+        if not self._checked:
+            self.check_directory()
+            self._checked = True
         self._preemption = _preemption.Watch()  # SIGTERM: see _preemption
 
     def on_epoch_begin(self, epoch, logs=None):
         self._epoch = epoch
 
     def on_train_batch_end(self, batch, logs=None):
-        iterations = int(self.model.optimizer.iterations.numpy())
+        iterations = _iterations(self.model)
         if iterations % self.every_n_steps == 0:
             self.save(self._epoch, self._offset + batch + 1)
         _preemption.after_step(self, getattr(self, "_preemption", None),
@@ -146,68 +274,87 @@ class StepBackup(keras.callbacks.Callback):
 
     def resume_fit(self, mirrored, fit, x, y, batch_size, epochs,
                    steps_per_epoch, kwargs, steps=None):
-        """Runs `fit` from the backup's position, skipping done batches."""
+        """Runs `fit` from the backup's position, on the batches an
+        uninterrupted run would read from there (see `_resume`)."""
+        self._checked = False
         position = self.load(mirrored)
+        kwargs = dict(kwargs)
         initial_epoch = kwargs.pop("initial_epoch", 0)
         if position is None:
             return fit(x, y, batch_size=batch_size, epochs=epochs,
                        steps_per_epoch=steps_per_epoch,
                        initial_epoch=initial_epoch, **kwargs)
-        epoch, step = position
-        if steps is not None and step >= steps:
-            epoch, step = epoch + 1, 0  # saved after an epoch's last batch
-        print(f"keras-mirror: StepBackup resumes at epoch {epoch}, step "
-              f"{step} (optimizer step "
-              f"{int(mirrored.optimizer.iterations.numpy())}).", flush=True)
-        first = None
-        if step > 0 and epoch < epochs:
-            skipped, sw_kwargs = _skip(x, y, kwargs, step, batch_size)
-            self._offset, self._partial = step, True
-            try:
-                first = fit(*skipped, batch_size=batch_size,
-                            epochs=epoch + 1, initial_epoch=epoch,
-                            steps_per_epoch=(steps_per_epoch - step
-                                             if steps_per_epoch else None),
-                            **sw_kwargs)
-            finally:
-                self._offset, self._partial = 0, False
-            epoch += 1
-        if epoch >= epochs:
+        x, y, kwargs = _resume.split_validation(x, y, kwargs)
+        batches = _resume.num_batches(x, batch_size)
+        segments = _resume.plan(position, epochs, initial_epoch,
+                                steps_per_epoch, batches)
+        print(f"keras-mirror: StepBackup resumes at epoch {position[0]}, "
+              f"step {position[1]} (optimizer step "
+              f"{_iterations(mirrored)}).", flush=True)
+        history = None
+        for i, segment in enumerate(segments):
+            history = _merge(history, self._run_segment(
+                fit, segment, x, y, batch_size, kwargs, position,
+                last=i == len(segments) - 1))
+        if history is None:  # the backup is of a finished run
             self.on_train_end()
-            return first
-        rest = fit(x, y, batch_size=batch_size, epochs=epochs,
-                   initial_epoch=epoch, steps_per_epoch=steps_per_epoch,
-                   **kwargs)
-        if first is not None:
-            for k, v in first.history.items():
-                rest.history[k] = list(v) + list(rest.history.get(k, []))
-            rest.epoch = list(first.epoch) + list(rest.epoch)
-        return rest
+            history = keras.callbacks.History()
+            history.set_model(mirrored)
+        return history
+
+    def _run_segment(self, fit, segment, x, y, batch_size, kwargs, position,
+                     last):
+        sx, sy, skw = _resume.skip(x, y, kwargs, segment.skip, batch_size)
+        first = segment.first_epoch == position[0] and position[1] > 0
+        self._offset = position[1] if first else 0
+        self._partial = not last
+        try:
+            return fit(sx, sy, batch_size=batch_size,
+                       epochs=segment.end_epoch,
+                       initial_epoch=segment.first_epoch,
+                       steps_per_epoch=segment.steps_per_epoch, **skw)
+        finally:
+            self._offset, self._partial = 0, False
 
 
-def _skip(x, y, kwargs, step, batch_size):
-    """The input without its first `step` batches; (x, y), kwargs."""
-    kwargs = dict(kwargs)
-    if isinstance(x, tf.data.Dataset):
-        return (x.skip(step), y), kwargs
-    if isinstance(x, keras.utils.PyDataset):
-        raise ValueError(
-            "StepBackup cannot skip batches of a PyDataset yet; pass arrays "
-            "or a tf.data.Dataset. Received: x=PyDataset")
-    if kwargs.get("shuffle", True):
-        raise ValueError(
-            "StepBackup resumes inside an epoch by skipping its first "
-            "batches, which needs the same batches on every run: pass "
-            "`shuffle=False`. Received: shuffle=True")
-    rows = step * (batch_size or 32)
+def _iterations(mirrored):
+    """Optimizer steps taken: the first optimizer's `iterations` (a model
+    with its own `train_step` may hold its optimizers as attributes)."""
+    optimizers = [mirrored.optimizer] + _homes.optimizers_of(mirrored.model)
+    for optimizer in optimizers:
+        if optimizer is not None:
+            return int(optimizer.iterations.numpy())
+    return 0
 
-    def cut(t):
-        return None if t is None else tf.nest.map_structure(
-            lambda a: a[rows:], t)
 
-    if kwargs.get("sample_weight") is not None:
-        kwargs["sample_weight"] = cut(kwargs["sample_weight"])
-    return (cut(x), cut(y)), kwargs
+def _merge(before, after):
+    """One `History` of consecutive `fit` calls."""
+    if before is None:
+        return after
+    for k, v in before.history.items():
+        after.history[k] = list(v) + list(after.history.get(k, []))
+    after.epoch = list(before.epoch) + list(after.epoch)
+    return after
+
+
+def _unique(variables):
+    seen, out = set(), []
+    for v in variables:
+        if id(v) not in seen:
+            seen.add(id(v))
+            out.append(v)
+    return out
+
+
+def _is_key(key, prefix):
+    return key.startswith(prefix) and key[len(prefix):].isdigit()
+
+
+def _remove_quietly(path):
+    try:
+        os.remove(path)
+    except OSError:
+        pass
 
 
 def find(callbacks):

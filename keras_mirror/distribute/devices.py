@@ -92,8 +92,11 @@ def _local_logical_devices(kind=None):
 
 def _canonical(name):
     """Returns the full TF name of a device given in any accepted form."""
-    spec = tf.DeviceSpec.from_string(name)
-    if spec.device_type is None or spec.device_index is None:
+    try:
+        spec = tf.DeviceSpec.from_string(name)
+    except ValueError:
+        spec = None
+    if spec is None or spec.device_type is None or spec.device_index is None:
         raise errors.DeviceError(
             "Each entry of `devices` must name one device with its type and "
             "index, such as '/gpu:0' or '/cpu:1'. "
@@ -101,6 +104,22 @@ def _canonical(name):
         )
     spec = spec.replace(device_type=spec.device_type.upper())
     return spec.to_string()
+
+
+def _check_this_task(name, spec, available, devices):
+    """A name with a job or task must be one of this process's devices."""
+    if spec.job is None and spec.task is None and spec.replica is None:
+        return
+    for a in available:
+        mine = tf.DeviceSpec.from_string(a)
+        if all(getattr(spec, f) in (None, getattr(mine, f))
+               for f in ("job", "replica", "task")):
+            return
+    raise errors.DeviceError(
+        f"`devices` names {name!r}, a device of another job or task: "
+        "`devices` are this process's own devices (e.g. '/cpu:0'); other "
+        "workers join through `cluster` or `TF_CONFIG`. "
+        f"Received: devices={devices!r}")
 
 
 def resolve_devices(devices):
@@ -138,6 +157,7 @@ def resolve_devices(devices):
     for d in devices:
         spec = tf.DeviceSpec.from_string(_canonical(d))
         local = spec.replace(job=None, replica=None, task=None).to_string()
+        _check_this_task(d, spec, available, devices)
         if local not in by_suffix:
             raise errors.DeviceError(
                 f"`devices` names an unknown device {d!r}. Available: "

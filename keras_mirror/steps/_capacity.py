@@ -15,7 +15,9 @@ from keras_mirror import _inputs
 def adapt_input(mirrored, x, batch_size):
     """Returns (x, batch_size) for Keras; sets the split capacity."""
     n = mirrored.num_replicas
-    if mirrored.batch_mode == "global":
+    if _inputs.is_generator(x):  # read ahead; per_replica: N per step
+        capacity, x = _inputs.adapt_generator(x, n, mirrored.batch_mode)
+    elif mirrored.batch_mode == "global":
         capacity = None
     elif isinstance(x, tf.data.Dataset):
         capacity = _inputs.capacity_of(x)
