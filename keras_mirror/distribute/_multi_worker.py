@@ -218,7 +218,8 @@ def init(cluster=None, cpus_per_worker=None):
 def _caller_line():
     """`file, line, source` of the user's code that is importing us."""
     frame = sys._getframe(1)
-    ours = os.path.dirname(os.path.abspath(__file__))
+    # The package's own frames (any subpackage) are skipped.
+    ours = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
     while frame is not None:
         name = os.path.abspath(frame.f_code.co_filename)
         if not name.startswith(ours) and "importlib" not in name and \
