@@ -50,11 +50,11 @@ def unavailable():
         if made.returncode != 0:
             return ("`ip netns add` failed: "
                     f"{made.stderr.strip() or made.returncode}")
-        link = _run("ip", "-n", name, "link", "add", "a", "type", "veth",
-                    "peer", "name", "b", check=False)
+        link = _run("ip", "-n", name, "link", "add", "kmprobe0", "type", "veth",
+                    "peer", "name", "kmprobe1", check=False)
         if link.returncode != 0:
             return f"cannot create a veth pair: {link.stderr.strip()}"
-        tbf = _run("tc", "-n", name, "qdisc", "add", "dev", "a", "root",
+        tbf = _run("tc", "-n", name, "qdisc", "add", "dev", "kmprobe0", "root",
                    "tbf", "rate", "100mbit", "burst", "128kb", "latency",
                    "100ms", check=False)
         if tbf.returncode != 0:
@@ -66,7 +66,8 @@ def unavailable():
     return None
 
 
-def _bytes_per_second(rate):
+def bytes_per_second(rate):
+    """`rate` (tc syntax, e.g. `"100mbit"`) in bytes per second."""
     units = {"gbit": 1e9, "mbit": 1e6, "kbit": 1e3, "bit": 1}
     for unit, scale in units.items():
         if rate.endswith(unit):
@@ -89,7 +90,7 @@ class Network:
 
     def __init__(self, n, rate=None, net=0):
         if rate is not None:
-            _bytes_per_second(rate)
+            bytes_per_second(rate)
         self.n = n
         self.rate = rate
         tag = uuid.uuid4().hex[:8]
@@ -101,7 +102,7 @@ class Network:
     @property
     def bytes_per_second(self):
         """The link rate in bytes per second, or None when unshaped."""
-        return None if self.rate is None else _bytes_per_second(self.rate)
+        return None if self.rate is None else bytes_per_second(self.rate)
 
     def __enter__(self):
         try:
@@ -146,7 +147,7 @@ class Network:
             # A burst of at least a few GSO packets (veth sends up to 64 KB
             # at once) and about 2 ms of traffic; queued bytes beyond
             # `latency` are dropped and TCP backs off, as on a real link.
-            burst = max(256 * 1024, int(_bytes_per_second(rate) / 500))
+            burst = max(256 * 1024, int(bytes_per_second(rate) / 500))
             _run("tc", "-n", ns, "qdisc", "add", "dev", dev, "root", "tbf",
                  "rate", rate, "burst", str(burst), "latency", "200ms")
 
