@@ -154,7 +154,8 @@ def measure(args, net, tmp, log):
                 tf_config = {"cluster": {"worker": hosts},
                              "task": {"type": "worker", "index": i}}
                 cmds.append((net.command(i, _worker_args(
-                    args, model, out, "cluster")),
+                    args, model, out, "cluster") + [
+                        "--trace", os.path.join(tmp, f"trace_{port}")]),
                     dict(env, TF_CONFIG=json.dumps(tf_config))))
             res[rate] = _run_phase(cmds, out, args.timeout, log)
     return results
@@ -180,6 +181,11 @@ def summarise(args, results):
                    / netns.bytes_per_second(rate)}
             for v, rounds in cl["step_ms"].items():
                 row[v] = _median(rounds)
+            for v, steps in cl.get("timelines", {}).items():
+                steps = steps[1:] or steps  # the first holds the profiler
+                row[f"{v}_timeline"] = {
+                    k: statistics.median(t[k] for t in steps)
+                    for k in steps[0]} if steps else None
             _ratios(row)
             rows.append(row)
     return rows
@@ -247,6 +253,21 @@ def markdown(report):
                 "overlap_step/max(compute,comm)",
                 "serial_step/(compute+comm)", "comm_bf16/comm_fp32",
                 "mirror/native")) + " |")
+    lines += ["", "Timeline of a step (TensorFlow profiler on worker 0, "
+              "3 steps, medians; ms from the start of the step):", "",
+              "| model | link | variant | backprop ends | first gradient "
+              "all-reduce starts | last ends | all-reduce during backprop "
+              "| step |", "|---|---|---|---:|---:|---:|---:|---:|"]
+    for r in rows:
+        for v in ("mirror_bucket", "mirror_serial"):
+            t = r.get(f"{v}_timeline")
+            if t:
+                lines.append(
+                    f"| {r['model']} | {r['rate']} | {LABELS[v]} | "
+                    f"{t['backprop_end_ms']:.1f} | "
+                    f"{t['first_allreduce_start_ms']:.1f} | "
+                    f"{t['last_allreduce_end_ms']:.1f} | "
+                    f"{t['overlap_ms']:.1f} | {t['step_ms']:.1f} |")
     lines += ["", f"Headline ({head['model']} over {head['rate']}, "
               f"communication / compute = {head['comm_over_compute']:.2f}): "
               f"`{report['ratio_line']}`", ""]

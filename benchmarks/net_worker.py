@@ -176,6 +176,56 @@ def _mirror(kind, cpus, pack, gradient_dtype):
     return mirrored
 
 
+def _trace(run, logdir):
+    """Profiles `run()` and returns the timeline of each of its steps.
+
+    Per step (one `EagerLocalExecute` of the train function), in ms from
+    its start: when the backprop ops (`gradient_tape/`) end, when the
+    first gradient all-reduce (`CollectiveReduceV2`) starts and when the
+    last one ends, and `overlap_ms`, the time the first all-reduce ran
+    while backprop was still running.
+    """
+    import glob
+
+    import tensorflow as tf
+    from tensorflow.tsl.profiler.protobuf import xplane_pb2
+
+    tf.profiler.experimental.start(logdir)
+    try:
+        run()
+    finally:
+        tf.profiler.experimental.stop()
+    space = xplane_pb2.XSpace()
+    with open(glob.glob(f"{logdir}/plugins/profile/*/*.xplane.pb")[0],
+              "rb") as f:
+        space.ParseFromString(f.read())
+    events = []
+    for plane in space.planes:
+        names = {k: v.name for k, v in plane.event_metadata.items()}
+        for line in plane.lines:
+            for e in line.events:
+                start = line.timestamp_ns / 1e6 + e.offset_ps / 1e9
+                events.append((start, start + e.duration_ps / 1e9,
+                               names.get(e.metadata_id, "")))
+    steps = sorted((a, b) for a, b, n in events
+                   if n.startswith("EagerLocalExecute: __inference")
+                   and b - a > 1)
+    out = []
+    for a, b in steps:
+        inside = [(s - a, e - a, n) for s, e, n in events
+                  if a <= s <= b]
+        grads = [e for s, e, n in inside if "gradient_tape/" in n]
+        colls = sorted((s, e) for s, e, n in inside
+                       if n.endswith(":CollectiveReduceV2"))
+        if not grads or not colls:
+            continue
+        out.append({"step_ms": b - a, "backprop_end_ms": max(grads),
+                    "first_allreduce_start_ms": colls[0][0],
+                    "last_allreduce_end_ms": max(e for _, e in colls),
+                    "overlap_ms": max(0.0, max(grads) - colls[0][0])})
+    return out
+
+
 def cluster(args):
     from keras_mirror import allreduce
 
@@ -210,9 +260,21 @@ def cluster(args):
             results[v].append(runners[v](args.steps, args.warmup))
             allreduce._OVERLAP = True
             print(f"worker {spec.task_index} round {r} {v} done", flush=True)
+    timelines = {}
+    for v in ("mirror_bucket", "mirror_serial"):
+        if v not in runners or not args.trace:
+            continue
+        allreduce._OVERLAP = v != "mirror_serial"
+        steps = 3
+        if spec.task_index == 0:
+            timelines[v] = _trace(lambda: runners[v](steps, 1),
+                                  os.path.join(args.trace, v))
+        else:
+            runners[v](steps, 1)
+        allreduce._OVERLAP = True
     model = build(args.model)
     return {
-        "step_ms": results, "workers": workers,
+        "step_ms": results, "workers": workers, "timelines": timelines,
         "params": model.count_params(),
         "bytes_fp32": allreduce.bytes_per_step(model.trainable_variables),
         "bytes_bf16": allreduce.bytes_per_step(model.trainable_variables,
@@ -246,6 +308,8 @@ def main(argv=None):
     p.add_argument("--repeats", type=int, default=1)
     p.add_argument("--pack", type=int, default=1 << 20)
     p.add_argument("--variants", default=",".join(CLUSTER_VARIANTS))
+    p.add_argument("--trace", default=None,
+                   help="directory: profile 3 steps of the bucket variants")
     args = p.parse_args(argv)
     args.variants = args.variants.split(",")
     if args.role == "cluster":
