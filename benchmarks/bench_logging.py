@@ -245,6 +245,13 @@ def _report(args, keras, trials):
     }
 
 
+def _per_scalar(us):
+    if us is None:
+        return "-"
+    # A mode cheaper than `none` is within the noise: no cost to divide.
+    return format(us, ".1f") if us > 0 else "<= 0 (noise)"
+
+
 def _markdown(report):
     s = report["settings"]
     lines = [
@@ -270,7 +277,7 @@ def _markdown(report):
             f"{row['min_step_ms']:.3f} | {row['max_step_ms']:.3f} | "
             f"{ratio:.3f} | {row['scalars_per_step']:.2f} | "
             f"{row['extra_ms_per_step']:.3f} | "
-            f"{'-' if per is None else format(per, '.1f')} |")
+            f"{_per_scalar(per)} |")
     lines += ["", *[f"- {n}" for n in report["notes"]], ""]
     return "\n".join(lines)
 
