@@ -157,7 +157,16 @@ def measure(args, net, tmp, log):
                     args, model, out, "cluster") + [
                         "--trace", os.path.join(tmp, f"trace_{port}")]),
                     dict(env, TF_CONFIG=json.dumps(tf_config))))
-            res[rate] = _run_phase(cmds, out, args.timeout, log)
+            try:
+                res[rate] = _run_phase(cmds, out, args.timeout, log)
+            except (RuntimeError, OSError, ValueError,
+                    subprocess.TimeoutExpired) as e:
+                # Recorded, not raised: the other links still run.
+                res[rate] = {"error": f"{type(e).__name__}: {e}"}
+                log.flush()
+                with open(log.name) as f:
+                    tail = f.read()[-3000:]
+                print(f"{model} over {rate} failed: {e}\n{tail}", flush=True)
     return results
 
 
@@ -172,6 +181,8 @@ def summarise(args, results):
     for model, res in results.items():
         for rate in args.rates:
             cl = res[rate]
+            if "error" in cl:
+                continue
             row = {"model": model, "rate": rate, "workers": w,
                    "batch": BATCH[model], "params": cl["params"],
                    "bytes_fp32": cl["bytes_fp32"],
@@ -223,7 +234,7 @@ def headline(rows):
 
 
 def _f(v, spec=".1f"):
-    return "n/a" if v is None else format(v, spec)
+    return "nan" if v is None else format(v, spec)
 
 
 def markdown(report):
@@ -326,11 +337,16 @@ def main(argv=None):
             print(open(log.name).read()[-4000:], file=sys.stderr)
             raise
     rows = summarise(args, results)
+    failed = [f"{m} over {r}: {res[r]['error']}" for m, res in
+              results.items() for r in args.rates if "error" in res[r]]
+    if not rows:
+        print("bench_network: every cluster run failed:\n"
+              + "\n".join(failed), file=sys.stderr)
+        return 1
     head = headline(rows)
-    line = (f"comm_bf16/comm_fp32={head['comm_bf16/comm_fp32']:.3f} "
-            "overlap_step/max(compute,comm)="
-            f"{head['overlap_step/max(compute,comm)']:.3f} "
-            f"mirror/native={head['mirror/native']:.3f}")
+    line = " ".join(f"{k}={_f(head.get(k), '.3f')}" for k in (
+        "comm_bf16/comm_fp32", "overlap_step/max(compute,comm)",
+        "mirror/native"))
     import keras
     import tensorflow as tf
 
@@ -348,11 +364,12 @@ def main(argv=None):
         "loadavg_after": bench_report.loadavg(),
         "seconds": round(time.monotonic() - start, 1),
         "rows": rows, "headline": head, "ratio_line": line,
-        "notes": NOTES, "raw": results,
+        "notes": NOTES + [f"FAILED: {f}" for f in failed],
+        "raw": results,
     }
     bench_report.write(report, args.out, markdown(report))
     print(line)
-    return 0
+    return 1 if failed else 0
 
 
 if __name__ == "__main__":

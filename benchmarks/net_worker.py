@@ -312,6 +312,10 @@ def main(argv=None):
                    help="directory: profile 3 steps of the bucket variants")
     args = p.parse_args(argv)
     args.variants = args.variants.split(",")
+    unknown = set(args.variants) - set(CLUSTER_VARIANTS)
+    if args.role == "cluster" and unknown:
+        p.error(f"`--variants` must be among {CLUSTER_VARIANTS}. "
+                f"Received: variants={sorted(unknown)!r}")
     if args.role == "cluster":
         out = cluster(args)
     else:
