@@ -75,7 +75,10 @@ def all_reduce_sum(grads, options=None, gradient_dtype=None):
     """Sums `grads` (a list, entries may be None) over all replicas.
 
     Must run in a replica context. With `gradient_dtype`, floating gradients
-    travel in that dtype and are cast back after the sum.
+    travel in that dtype and are cast back after the sum. With
+    `options.bytes_per_pack`, one all-reduce per bucket of
+    `reverse_buckets`, last layers first, each depending only on its own
+    gradients so that it overlaps with the rest of backprop.
     """
     ctx = tf.distribute.get_replica_context()
     wire = _DTYPES[gradient_dtype]
