@@ -6,7 +6,13 @@ configurations and compares their time per step:
 - `none`: no `ReplicaTensorBoard` (MirroredModel's own `ReplicaHistory` still
   gathers the per-replica vectors, as it always does);
 - `batch`: `ReplicaTensorBoard(update_freq="batch")`, writing every step;
-- `every_100`: `ReplicaTensorBoard(update_freq=100)`.
+- `every_100`: `ReplicaTensorBoard(update_freq=100)`;
+- `keras_batch`: Keras's own `keras.callbacks.TensorBoard(update_freq=
+  "batch", write_graph=False)` on the same model: the anchor.
+
+The cost per scalar written is each mode's extra time per step over `none`
+(paired within a repeat) divided by the scalars it writes per step, counted
+by reading its event files back with TensorBoard's reader.
 
 All configurations run in one process on the same model, after one warm-up
 `fit` that traces the step, so tracing is not measured. Trials are
@@ -39,9 +45,9 @@ _HERE = os.path.dirname(os.path.abspath(__file__))
 _ROOT = os.path.dirname(_HERE)
 _DEFAULT_OUT = os.path.join(_HERE, "results", "logging")
 
-MODES = ("none", "batch", "every_100")
-_UPDATE_FREQ = {"batch": "batch", "every_100": 100}
-SCHEMA_VERSION = 1
+MODES = ("none", "batch", "every_100", "keras_batch")
+_UPDATE_FREQ = {"batch": "batch", "every_100": 100, "keras_batch": "batch"}
+SCHEMA_VERSION = 2
 
 
 def _parse(argv):
@@ -116,7 +122,12 @@ def _trial(mirrored, callback_class, mode, data, args, log_root):
     """Seconds per step of one `fit` of `args.steps` steps in `mode`."""
     callbacks = []
     log_dir = os.path.join(log_root, f"{mode}_{time.monotonic_ns()}")
-    if mode != "none":
+    if mode == "keras_batch":
+        import keras
+
+        callbacks.append(keras.callbacks.TensorBoard(
+            log_dir, update_freq="batch", write_graph=False))
+    elif mode != "none":
         callbacks.append(callback_class(
             log_dir, update_freq=_UPDATE_FREQ[mode]))
     x, y = data
@@ -124,8 +135,27 @@ def _trial(mirrored, callback_class, mode, data, args, log_root):
     mirrored.fit(x, y, batch_size=args.batch_size, epochs=1, verbose=0,
                  shuffle=False, callbacks=callbacks)
     elapsed = time.perf_counter() - start
+    scalars = _count_scalars(log_dir)
     shutil.rmtree(log_dir, ignore_errors=True)
-    return elapsed / args.steps
+    return elapsed / args.steps, scalars
+
+
+def _count_scalars(log_dir):
+    """Scalar values written under `log_dir`, read back by TensorBoard."""
+    from tensorboard.backend.event_processing import event_accumulator
+
+    total = 0
+    for root, _, files in os.walk(log_dir):
+        if not any(".tfevents." in f for f in files):
+            continue
+        acc = event_accumulator.EventAccumulator(
+            root, size_guidance={"tensors": 0})
+        acc.Reload()
+        for tag in acc.Tags()["tensors"]:
+            events = acc.Tensors(tag)
+            if events and not events[0].tensor_proto.string_val:
+                total += len(events)
+    return total
 
 
 def run(args):
@@ -138,10 +168,11 @@ def run(args):
         for repeat in range(args.repeats):
             shift = repeat % len(MODES)
             for mode in MODES[shift:] + MODES[:shift]:
-                seconds = _trial(mirrored, callback_class, mode, data, args,
-                                 log_root)
+                seconds, scalars = _trial(mirrored, callback_class, mode,
+                                          data, args, log_root)
                 trials.append({"repeat": repeat, "mode": mode,
-                               "step_ms": seconds * 1e3})
+                               "step_ms": seconds * 1e3,
+                               "scalars_per_step": scalars / args.steps})
                 print(f"repeat {repeat} {mode:>9}: "
                       f"{seconds * 1e3:8.3f} ms/step", flush=True)
     return _report(args, keras, trials)
@@ -161,7 +192,15 @@ def _report(args, keras, trials):
         "median_step_ms": statistics.median(v),
         "min_step_ms": min(v),
         "max_step_ms": max(v),
+        "scalars_per_step": statistics.median(
+            t["scalars_per_step"] for t in trials if t["mode"] == m),
     } for m, v in by_mode.items()]
+    for row in results:
+        extra = statistics.median(
+            r[row["mode"]] - r["none"] for r in per_repeat.values())
+        row["extra_ms_per_step"] = extra
+        row["us_per_scalar"] = (1e3 * extra / row["scalars_per_step"]
+                                if row["scalars_per_step"] else None)
     ratios = {
         f"{m}_over_none": statistics.median(
             r[m] / r["none"] for r in per_repeat.values())
@@ -194,11 +233,23 @@ def _report(args, keras, trials):
         "trials": trials,
         "notes": [
             "Ratios are medians over repeats of within-repeat ratios.",
+            "batch / every_100: ReplicaTensorBoard; keras_batch: Keras's "
+            "TensorBoard(update_freq='batch', write_graph=False), the "
+            "anchor. us/scalar = (mode - none, paired, median over "
+            "repeats) / scalars written per step (epoch-end ones "
+            "included), counted from the event files.",
             "A trial is one fit; its time includes writer set-up and close "
             "and one tf.function trace per layout of tags (a fixed cost "
             "per fit, about 0.5 s on 2 shared cores, spread over --steps).",
         ],
     }
+
+
+def _per_scalar(us):
+    if us is None:
+        return "-"
+    # A mode cheaper than `none` is within the noise: no cost to divide.
+    return format(us, ".1f") if us > 0 else "<= 0 (noise)"
 
 
 def _markdown(report):
@@ -213,16 +264,20 @@ def _markdown(report):
         f"{report['machine']['keras']}, {report['machine']['logical_cores']}"
         f" logical cores; {report['date']}.",
         "",
-        "| mode | update_freq | median ms/step | min | max | vs none |",
-        "|---|---|---:|---:|---:|---:|",
+        "| mode | update_freq | median ms/step | min | max | vs none | "
+        "scalars/step | extra ms/step | us/scalar |",
+        "|---|---|---:|---:|---:|---:|---:|---:|---:|",
     ]
     for row in report["results"]:
         ratio = report["ratios"].get(f"{row['mode']}_over_none", 1.0)
         freq = "-" if row["update_freq"] is None else str(row["update_freq"])
+        per = row["us_per_scalar"]
         lines.append(
             f"| {row['mode']} | {freq} | {row['median_step_ms']:.3f} | "
             f"{row['min_step_ms']:.3f} | {row['max_step_ms']:.3f} | "
-            f"{ratio:.3f} |")
+            f"{ratio:.3f} | {row['scalars_per_step']:.2f} | "
+            f"{row['extra_ms_per_step']:.3f} | "
+            f"{_per_scalar(per)} |")
     lines += ["", *[f"- {n}" for n in report["notes"]], ""]
     return "\n".join(lines)
 

@@ -1,4 +1,16 @@
-"""Gradient all-reduce through `tf.distribute.ReplicaContext.all_reduce`."""
+"""Gradient all-reduce through `tf.distribute.ReplicaContext.all_reduce`.
+
+Buckets and overlap (as PyTorch DDP's gradient buckets): with
+`bytes_per_pack`, gradients go in buckets filled from the *last* variable
+backwards, and the buckets are issued in that order, one all-reduce each.
+Backprop produces the last layers' gradients first, and a bucket's
+all-reduce depends only on its own gradients, so TensorFlow's data-flow
+executor starts it while earlier layers' gradients are still being
+computed. The collective ops of one strategy are chained by an ordering
+token in the order they are issued: issuing the first layer's bucket first
+(variable order) would make every bucket wait for the whole backward pass.
+`benchmarks/bench_network.py` measures both orders.
+"""
 
 import math
 
@@ -74,7 +86,10 @@ def all_reduce_sum(grads, options=None, gradient_dtype=None):
     """Sums `grads` (a list, entries may be None) over all replicas.
 
     Must run in a replica context. With `gradient_dtype`, floating gradients
-    travel in that dtype and are cast back after the sum.
+    travel in that dtype and are cast back after the sum. With
+    `options.bytes_per_pack`, one all-reduce per bucket of
+    `reverse_buckets`, last layers first, each depending only on its own
+    gradients so that it overlaps with the rest of backprop.
     """
     ctx = tf.distribute.get_replica_context()
     wire = _DTYPES[gradient_dtype]
@@ -99,17 +114,32 @@ def all_reduce_sum(grads, options=None, gradient_dtype=None):
         return out
     reduced = [None] * len(values)
     pack_bytes = options.bytes_per_pack if options is not None else 0
-    for bucket in buckets([(v.shape.num_elements() or 0) * v.dtype.size
-                           for v in values], pack_bytes):
-        # One all-reduce per bucket: NCCL, ReductionToOneDevice and the
-        # collective ops all honour the grouping of the values they get.
-        sums = ctx.all_reduce(tf.distribute.ReduceOp.SUM,
-                              [values[i] for i in bucket], options=options)
+    sizes = [(v.shape.num_elements() or 0) * v.dtype.size for v in values]
+    # Each bucket is one collective: TensorFlow must not re-pack it.
+    one_pack = _one_pack(options) if pack_bytes else options
+    barrier = [] if _OVERLAP else values
+    for bucket in reverse_buckets(sizes, pack_bytes):
+        with tf.control_dependencies(barrier):
+            sums = ctx.all_reduce(tf.distribute.ReduceOp.SUM,
+                                  [values[i] for i in bucket],
+                                  options=one_pack)
         for i, r in zip(bucket, sums):
             reduced[i] = r
     for i, r in zip(present, reduced):
         out[i] = tf.cast(r, grads[i].dtype) if r.dtype != grads[i].dtype else r
     return out
+
+
+# False makes every bucket wait for all gradients (no overlap with
+# backprop): only for benchmarks/bench_network.py's comparison.
+_OVERLAP = True
+
+
+def _one_pack(options):
+    """`options` with `bytes_per_pack=0`: one bucket is one collective."""
+    return tf.distribute.experimental.CommunicationOptions(
+        bytes_per_pack=0, timeout_seconds=options.timeout_seconds,
+        implementation=options.implementation)
 
 
 def _all_gather_slices(ctx, slices, wire, options):
@@ -157,6 +187,25 @@ def buckets(sizes, bytes_per_pack):
     if current:
         out.append(current)
     return out
+
+
+def reverse_buckets(sizes, bytes_per_pack):
+    """The all-reduce buckets in launch order: last gradients first.
+
+    `buckets` applied to the gradients from the last variable backwards:
+    the first bucket holds the last layers' gradients (the first that
+    backprop produces), each bucket lists its indices in descending order,
+    and a model's first layers fill the last, possibly smaller, bucket.
+    With `bytes_per_pack` 0, one bucket of every index in variable order.
+
+    Example: `reverse_buckets([384, 64, 192, 12], 256)` is
+    `[[3, 2, 1], [0]]`.
+    """
+    if not bytes_per_pack:
+        return buckets(sizes, 0)
+    last = len(sizes) - 1
+    return [[last - i for i in bucket]
+            for bucket in buckets(sizes[::-1], bytes_per_pack)]
 
 
 def bytes_per_step(variables, gradient_dtype=None):

@@ -279,6 +279,16 @@ def test_buckets_group_gradients_by_bytes():
     assert allreduce.buckets([], 256) == []
 
 
+def test_reverse_buckets_start_from_the_last_gradients():
+    from keras_mirror import allreduce
+
+    assert allreduce.reverse_buckets([384, 64, 192, 12], 0) == [[0, 1, 2, 3]]
+    assert allreduce.reverse_buckets([384, 64, 192, 12], 256) == [
+        [3, 2, 1], [0]]
+    assert allreduce.reverse_buckets([10, 300, 10], 256) == [[2, 1], [0]]
+    assert allreduce.reverse_buckets([], 256) == []
+
+
 def test_bytes_per_pack_buckets_the_all_reduce_and_stays_exact(
         cpus, monkeypatch):
     calls = []
@@ -304,8 +314,9 @@ def test_bytes_per_pack_buckets_the_all_reduce_and_stays_exact(
                         mirrored.model.get_weights()) < 1e-5
     # mlp(): gradients of 384, 64, 192 and 12 bytes. Each of the 4
     # replicas traces one 4-tensor all-reduce without packing, and the
-    # buckets [0], [1, 2], [3] with 256-byte packs; then the loss, in both
+    # buckets [3, 2, 1], [0] with 256-byte packs (last gradients first, so
+    # that they overlap with backprop); then the loss, in both
     # runs (the non-finite count is all-reduced only when `on_nonfinite`
     # acts on it, not in the default "warn" mode).
     assert traced[0] == [4] * 4 + [1] * 4
-    assert traced[256] == [1] * 4 + [2] * 4 + [1] * 4 + [1] * 4
+    assert traced[256] == [3] * 4 + [1] * 4 + [1] * 4

@@ -2,16 +2,23 @@
 
 import logging
 import os
+import time
 
 import keras
 import numpy as np
-import tensorflow as tf
+from tensorboard.compat.proto import event_pb2
+from tensorboard.compat.proto import summary_pb2
+from tensorboard.compat.proto import types_pb2
+from tensorboard.plugins.scalar import metadata as scalar_metadata
+from tensorboard.summary.writer.event_file_writer import EventFileWriter
 
 from keras_mirror.callbacks import _replica_logs
 
 _LOG = logging.getLogger(__name__)
 _PREFIX = _replica_logs.PREFIX
 _VAL_PREFIX = "val_"
+_SCALAR_METADATA = scalar_metadata.create_summary_metadata(
+    display_name=None, description=None)
 
 
 class ReplicaTensorBoard(keras.callbacks.Callback):
@@ -94,7 +101,6 @@ class ReplicaTensorBoard(keras.callbacks.Callback):
         self.write_global = write_global
         self._every = _batch_interval(update_freq)
         self._writers = {}
-        self._functions = {}
         self._global_train_batch = 0
         if self._every is not None:
             # Bound here, not defined on the class: with "epoch" the hook
@@ -108,55 +114,39 @@ class ReplicaTensorBoard(keras.callbacks.Callback):
         if run not in self._writers:
             path = os.path.join(self.log_dir, run)
             try:
-                self._writers[run] = tf.summary.create_file_writer(path)
+                self._writers[run] = EventFileWriter(path)
             except Exception as e:  # noqa: BLE001 - optional feature
                 _LOG.warning("ReplicaTensorBoard cannot write to %r (%s); "
                              "skipping this run.", path, e)
                 self._writers[run] = None
         return self._writers[run]
 
-    def _write(self, run, scalars, step):
-        """Writes `{tag: value}` to the run's writer; logs failures."""
-        if not scalars:
-            return
-        writer = self._writer(run)
-        if writer is None:
-            return
-        try:
-            # `record_if(True)`: Keras's TensorBoard, when batch-level,
-            # leaves a `record_if` of its own `update_freq` active.
-            with writer.as_default(), tf.summary.record_if(True):
-                for tag, value in scalars.items():
-                    tf.summary.scalar(tag, value, step=step)
-        except Exception as e:  # noqa: BLE001 - optional feature
-            _LOG.warning("ReplicaTensorBoard failed to write run %r (%s); "
-                         "skipping this run.", run, e)
-            self._close(run)
-            self._writers[run] = None
-
     def _write_runs(self, per_run, step):
-        """Writes `{run: {tag: value}}` in one graph call.
+        """Writes `{run: {tag: value}}`: one event per run.
 
-        One `tf.function` per layout of runs and tags costs a fraction of
-        the eager `tf.summary.scalar` calls it replaces. On any error it
-        falls back to `_write`, run by run, which logs and skips bad runs.
+        The events are built here on the host from the values `fit` has
+        already fetched (every tag of a run in one `Summary`, with the
+        metadata `tf.summary.scalar` gives a scalar), and TensorBoard's
+        `EventFileWriter` writes them from its own thread: no TensorFlow op
+        runs, and the step waits for no file. A writer that fails is
+        logged, closed and skipped.
         """
-        layout = tuple(
-            (run, tuple(scalars)) for run, scalars in per_run.items()
-            if scalars and self._writer(run) is not None)
-        if not layout:
-            return
-        values = [per_run[run][tag] for run, tags in layout for tag in tags]
-        try:
-            if layout not in self._functions:
-                self._functions[layout] = _scalar_writer(
-                    [(self._writers[run], tags) for run, tags in layout])
-            self._functions[layout](tf.constant(step, tf.int64),
-                                    tf.constant(values, tf.float32))
-        except Exception:  # noqa: BLE001 - retried eagerly, run by run
-            self._functions.pop(layout, None)
-            for run, scalars in per_run.items():
-                self._write(run, scalars, step)
+        wall_time = time.time()
+        for run, scalars in per_run.items():
+            if not scalars:
+                continue
+            writer = self._writer(run)
+            if writer is None:
+                continue
+            try:
+                writer.add_event(event_pb2.Event(
+                    wall_time=wall_time, step=int(step),
+                    summary=_summary(scalars)))
+            except Exception as e:  # noqa: BLE001 - optional feature
+                _LOG.warning("ReplicaTensorBoard failed to write run %r "
+                             "(%s); skipping this run.", run, e)
+                self._close(run)
+                self._writers[run] = None
 
     def _close(self, run):
         writer = self._writers.get(run)
@@ -209,7 +199,6 @@ class ReplicaTensorBoard(keras.callbacks.Callback):
     def set_model(self, model):
         super().set_model(model)
         self._writers = {}
-        self._functions = {}
 
     def on_train_begin(self, logs=None):
         if getattr(self.model, "replica_stats", True) is False:
@@ -235,7 +224,6 @@ class ReplicaTensorBoard(keras.callbacks.Callback):
         for run in list(self._writers):
             self._close(run)
         self._writers = {}
-        self._functions = {}
 
 
 def _global_scalars(logs, prefix, split_validation):
@@ -251,25 +239,19 @@ def _global_scalars(logs, prefix, split_validation):
     return train, val
 
 
-def _scalar_writer(writers_and_tags):
-    """A `tf.function(step, values)` writing `values` in layout order."""
+def _summary(scalars):
+    """`{tag: value}` as a `Summary` of float32 scalar tensors.
 
-    @tf.function(input_signature=[
-        tf.TensorSpec([], tf.int64),
-        tf.TensorSpec([sum(len(t) for _, t in writers_and_tags)],
-                      tf.float32),
-    ])
-    def write(step, values):
-        i = 0
-        for writer, tags in writers_and_tags:
-            # `record_if(True)`: Keras's TensorBoard, when batch-level,
-            # leaves a `record_if` of its own `update_freq` active.
-            with writer.as_default(), tf.summary.record_if(True):
-                for tag in tags:
-                    tf.summary.scalar(tag, values[i], step=step)
-                    i += 1
-
-    return write
+    Each value carries the metadata `tf.summary.scalar` gives it, so that
+    TensorBoard (and its `EventAccumulator`) reads the same tags.
+    """
+    summary = summary_pb2.Summary()
+    for tag, value in scalars.items():
+        entry = summary.value.add(tag=tag)
+        entry.metadata.CopyFrom(_SCALAR_METADATA)
+        entry.tensor.dtype = types_pb2.DT_FLOAT
+        entry.tensor.float_val.append(value)
+    return summary
 
 
 def _batch_interval(update_freq):
