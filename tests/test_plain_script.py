@@ -13,23 +13,13 @@ import sys
 
 import keras
 import numpy as np
-import psutil
 import pytest
+from test_multi_worker import _no_leftover_processes  # noqa: F401
 
 from keras_mirror import launch as launch_lib
 from keras_mirror.launch import _ports
 
 WORKERS = pathlib.Path(__file__).parent / "workers"
-
-
-@pytest.fixture(autouse=True)
-def _no_leftover_processes():
-    yield
-    children = psutil.Process().children(recursive=True)
-    for child in children:
-        child.kill()
-    psutil.wait_procs(children, timeout=10)
-    assert not children, f"the test left processes behind: {children}"
 
 
 def single_device_weights(epochs=2):
