@@ -5,6 +5,7 @@
 """
 
 import keras
+import tensorflow as tf
 
 from keras_mirror import errors
 
@@ -88,3 +89,17 @@ def build_from_batch(model, x):
     """Builds an unbuilt model by calling it on a batch."""
     if not model.built:
         model(x, training=False)
+
+
+def check_no_outer_scope(model):
+    """`MirroredModel(model)` must not be created inside a `tf.distribute`
+    scope: the wrapper makes its own strategy. (A double wrap is refused by
+    `_rebuild.check_not_wrapped`.)"""
+    if tf.distribute.has_strategy():
+        strategy = tf.distribute.get_strategy()
+        raise ValueError(
+            "`MirroredModel` must be created outside any "
+            "`tf.distribute.Strategy.scope()`: it makes its own strategy "
+            "over `devices`, and TensorFlow cannot mix two. Create it after "
+            "the `with strategy.scope():` block. Received: a MirroredModel "
+            f"created inside {type(strategy).__name__}.scope()")

@@ -348,20 +348,6 @@ def check_more_fit_inputs(mirrored, x, validation_data, kwargs):
         _check_input_structure(mirrored.model, vx, "validation_data")
 
 
-def check_no_outer_scope(model):
-    """`MirroredModel(model)` must not be created inside a `tf.distribute`
-    scope: the wrapper makes its own strategy. (A double wrap is refused by
-    `_rebuild.check_not_wrapped`.)"""
-    if tf.distribute.has_strategy():
-        strategy = tf.distribute.get_strategy()
-        raise ValueError(
-            "`MirroredModel` must be created outside any "
-            "`tf.distribute.Strategy.scope()`: it makes its own strategy "
-            "over `devices`, and TensorFlow cannot mix two. Create it after "
-            "the `with strategy.scope():` block. Received: a MirroredModel "
-            f"created inside {type(strategy).__name__}.scope()")
-
-
 def _global_rows(x, batch_size):
     """Rows of a full global batch of `x` (arrays or a dataset), or None."""
     if isinstance(x, tf.data.Dataset):  # a static batch size only
@@ -398,15 +384,3 @@ def warn_idle_replicas(mirrored, x, batch_size):
         "Pass fewer `devices` or a larger `batch_size`. "
         f"Received: batch_size={rows} with {n} replicas",
         UserWarning, stacklevel=3)
-
-
-def warn_unused_timeout(execution, timeout_seconds):
-    """`timeout_seconds` bounds collectives, which `"in_graph"` has none of."""
-    if execution == "in_graph" and timeout_seconds is not None:
-        warnings.warn(
-            "`timeout_seconds` has no effect on the 'in_graph' execution "
-            "path, which sums gradients in one graph without a collective "
-            "to time out. Pass execution='strategy' to bound the "
-            "all-reduce, or drop it. "
-            f"Received: timeout_seconds={timeout_seconds!r} with "
-            "execution='in_graph'", UserWarning, stacklevel=3)

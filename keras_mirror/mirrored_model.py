@@ -135,7 +135,7 @@ class MirroredModel(ReplicaAttributes, dispatch.StepDispatch,
                  replica_stats=True, name=None):
         _compat.check_keras_version()
         _compat.check_backend()
-        _validate.check_no_outer_scope(model)
+        _rebuild.check_no_outer_scope(model)
         _rebuild.check_model(model)
         if batch not in BATCH_MODES:
             raise ValueError(
@@ -170,7 +170,7 @@ class MirroredModel(ReplicaAttributes, dispatch.StepDispatch,
             execution, resolved, spec, own_step.has_custom_step(original),
             _execution.collective_options(bytes_per_pack, communication),
             _rebuild.synchronized_layers(original))
-        _validate.warn_unused_timeout(execution, timeout_seconds)
+        _execution.warn_unused_timeout(execution, timeout_seconds)
         if spec is None and execution == "strategy":
             strategy = devices_lib.mirrored_strategy(resolved, communication)
         elif spec is None:

@@ -4,6 +4,8 @@
 one-line account that `summary()` and `execution_summary` show.
 """
 
+import warnings
+
 EXECUTIONS = ("auto", "in_graph", "strategy")
 
 
@@ -78,3 +80,15 @@ def describe(execution, reason, devices, strategy):
                 f"{type(strategy).__name__}; one replica step per "
                 "device; explicit gradient all-reduce)")
     return f"{what}, because {reason}."
+
+
+def warn_unused_timeout(execution, timeout_seconds):
+    """`timeout_seconds` bounds collectives, which `"in_graph"` has none of."""
+    if execution == "in_graph" and timeout_seconds is not None:
+        warnings.warn(
+            "`timeout_seconds` has no effect on the 'in_graph' execution "
+            "path, which sums gradients in one graph without a collective "
+            "to time out. Pass execution='strategy' to bound the "
+            "all-reduce, or drop it. "
+            f"Received: timeout_seconds={timeout_seconds!r} with "
+            "execution='in_graph'", UserWarning, stacklevel=3)
