@@ -11,7 +11,6 @@ the reason otherwise. Every process is bounded and SIGKILLed; the
 namespaces are deleted in any case.
 """
 
-import importlib.util
 import json
 import os
 import pathlib
@@ -19,39 +18,16 @@ import signal
 import subprocess
 import sys
 
-import numpy as np
 import pytest
 
 ROOT = pathlib.Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(ROOT / "benchmarks"))
 
 import netns  # noqa: E402
+from test_multi_worker import WORKER  # noqa: E402
+from test_multi_worker import assert_equal_single_device  # noqa: E402
 
-WORKER = ROOT / "tests" / "workers" / "mw_train.py"
 TIMEOUT = 110
-
-
-def single_device_weights(epochs):
-    """`mw_train`'s model trained by plain Keras on the same batches."""
-    spec = importlib.util.spec_from_file_location("mw_train", WORKER)
-    mw = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(mw)
-    model = mw.model()
-    model.compile(optimizer=mw.optimizer(), loss="mse")
-    x, y = mw.data()
-    model.fit(x, y, batch_size=mw.BATCH, epochs=epochs, shuffle=False,
-              verbose=0)
-    return model.get_weights(), int(model.optimizer.iterations.numpy())
-
-
-def load(out, index):
-    with np.load(out / f"weights_{index}.npz") as f:
-        weights = [f[f"arr_{i}"] for i in range(len(f.files) - 1)]
-        return weights, int(f["iterations"])
-
-
-def max_diff(a, b):
-    return max(float(np.max(np.abs(u - v))) for u, v in zip(a, b))
 
 
 def run_on_hosts(net, out, *args):
@@ -95,12 +71,7 @@ def test_two_hosts_train_like_one_device(tmp_path):
                    for i in range(2))
     assert codes == [0, 0], logs
     assert "2 workers x 2 replicas" in logs
-    w0, it0 = load(tmp_path, 0)
-    w1, it1 = load(tmp_path, 1)
-    ref, ref_it = single_device_weights(2)
-    assert it0 == it1 == ref_it == 12
-    assert max_diff(w0, w1) == 0.0
-    assert max_diff(w0, ref) < 1e-5
+    assert_equal_single_device(tmp_path)
     info = [json.loads((tmp_path / f"info_{i}.json").read_text())
             for i in (0, 1)]
     assert [i["local_replica_ids"] for i in info] == [[0, 1], [2, 3]]
