@@ -341,6 +341,25 @@ def random_module():
     return module
 
 
+# Synchronized BatchNormalization computes its moments through the TF
+# backend's `nn.moments(..., synchronized=True)`, which calls the module's
+# `_compute_moments_sync` at call time: local sums and counts, all-reduced.
+# keras-mirror replaces it inside replica steps so that a stand-in replica
+# (an empty shard running one row, `steps/_stand_in.py`) adds nothing.
+_NN_MODULE = "keras.src.backend.tensorflow.nn"
+SYNC_MOMENTS = "_compute_moments_sync"
+
+
+def moments_module():
+    """The TF backend's nn module, checked for the synchronized moments."""
+    import importlib
+
+    module = importlib.import_module(_NN_MODULE)
+    _require(module, (SYNC_MOMENTS, "moments"), _NN_MODULE,
+             "leave empty shards out of synchronized BatchNorm statistics")
+    return module
+
+
 @contextlib.contextmanager
 def replaced(module, replacements):
     """Within the block, `module.<name>` is `replacements[name]`."""

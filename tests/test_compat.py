@@ -244,3 +244,20 @@ def test_a_missing_private_name_fails_loudly_by_name():
     opt = keras.optimizers.SGD()
     with pytest.raises(RuntimeError, match=r"SGD\._no_such_hook"):
         _compat._replace_method(opt, "_no_such_hook", lambda f: f, "hook")
+
+
+def test_moments_module_calls_the_synchronized_moments_by_name():
+    import tensorflow as tf
+
+    module = _compat.moments_module()
+    calls = []
+    original = getattr(module, _compat.SYNC_MOMENTS)
+
+    def spy(x, axes, keepdims):
+        calls.append(axes)
+        return original(x, axes, keepdims)
+
+    with _compat.replaced(module, {_compat.SYNC_MOMENTS: spy}):
+        mean, _ = module.moments(tf.ones((3, 2)), [0], synchronized=True)
+    assert calls == [[0]]
+    assert mean.numpy().tolist() == [1.0, 1.0]
