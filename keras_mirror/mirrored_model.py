@@ -166,6 +166,7 @@ class MirroredModel(ReplicaAttributes, dispatch.StepDispatch,
             strategy = devices_lib.multi_worker_strategy(spec, resolved, comm)
         original = _rebuild.build_original(model)
         _rebuild.check_weights_exist(original)
+        _rebuild.check_not_stateful(original, len(resolved), spec)
         execution, reason = _execution.pick(
             execution, resolved, spec, own_step.has_custom_step(original),
             _execution.collective_options(bytes_per_pack, communication),

@@ -432,3 +432,44 @@ def test_own_test_and_predict_steps_with_empty_shards(cpus, execution):
     np.testing.assert_allclose(
         mirrored.predict(ds.map(lambda a, b: a), verbose=0),
         single.predict(ds.map(lambda a, b: a), verbose=0), atol=1e-6)
+
+
+def test_per_replica_batches_with_a_short_last_group(cpus, execution):
+    """`batch="per_replica"`: a short final group leaves replicas empty."""
+    # Replica batches of 3: a step of 4 x 3 rows, then one of 2 rows
+    # (2/0/0/0 by the fill rule).
+    x, y = _images(14), _binary(14)
+
+    def train(wrap):
+        keras.utils.set_random_seed(7)
+        model, kwargs, _, _ = conv2d()
+        model.compile(optimizer=keras.optimizers.SGD(0.05), **kwargs)
+        if not wrap:
+            model.fit(_batches(x, y, (12, 2)), verbose=0)
+            return model
+        mirrored = keras_mirror.MirroredModel(model, batch="per_replica")
+        mirrored.fit(x, y, batch_size=3, shuffle=False, verbose=0)
+        assert mirrored.replica_history["samples"] == [[5, 3, 3, 3]]
+        return model
+
+    _assert_same_weights(train(False), train(True))
+
+
+def test_stateful_rnn_is_refused_at_wrap_time(cpus):
+    model = keras.Sequential([
+        keras.Input((5, 3), batch_size=8),
+        layers.LSTM(4, stateful=True, name="lstm"), layers.Dense(1)])
+    with pytest.raises(ValueError, match=(
+            r"cannot split a stateful RNN over 4 replicas: the layers "
+            r"\['lstm'\] keep one state row per row of the batch.*"
+            r"Received: model with stateful layers \['lstm'\] and 4 "
+            r"replicas")):
+        keras_mirror.MirroredModel(model)
+    bidirectional = keras.Sequential([
+        keras.Input((5, 3), batch_size=8),
+        layers.Bidirectional(layers.GRU(2, stateful=True, name="gru"))])
+    with pytest.raises(ValueError, match=r"stateful layers \["):
+        keras_mirror.MirroredModel(bidirectional)
+    # Not stateful: accepted.
+    keras_mirror.MirroredModel(keras.Sequential([
+        keras.Input((5, 3)), layers.LSTM(4), layers.Dense(1)]))
