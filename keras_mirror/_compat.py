@@ -304,14 +304,20 @@ def set_backing(variable, tf_variable):
 def new_backing(variable, value):
     """A new TF variable for `variable` (in the current scope), not installed.
 
-    It has the Keras variable's dtype, trainability, aggregation and
-    synchronization; created inside a strategy's scope it is distributed.
+    It has the Keras variable's dtype, aggregation and synchronization, and
+    the current backing's own `trainable` flag: the one TensorFlow's tape
+    reads, fixed when the backing was made (a layer frozen then unfrozen
+    keeps it), so that gradients flow exactly where they flow on one
+    device. Created inside a strategy's scope it is distributed.
     """
     current = backing(variable)
+    keras_trainable = variable.trainable
     try:
+        variable.trainable = getattr(current, "trainable", keras_trainable)
         getattr(variable, _VARIABLE_INITIALIZE)(value)
         return backing(variable)
     finally:
+        variable.trainable = keras_trainable
         set_backing(variable, current)
 
 

@@ -68,14 +68,14 @@ def check_weights_exist(model):
 
 def synchronized_layers(model):
     """Names of the model's `BatchNormalization(synchronized=True)` layers."""
-    return [layer.name for layer in _all_layers(model)
+    return [layer.name for layer in all_layers(model)
             if isinstance(layer, keras.layers.BatchNormalization)
             and getattr(layer, "synchronized", False)]
 
 
 def stateful_layers(model):
     """Names of the model's stateful RNN layers (`stateful=True`)."""
-    return [layer.name for layer in _all_layers(model)
+    return [layer.name for layer in all_layers(model)
             if getattr(layer, "stateful", False) is True]
 
 
@@ -102,7 +102,7 @@ def check_not_stateful(model, local_replicas, cluster=None):
         f"stateful layers {names} and {replicas}")
 
 
-def _all_layers(model):
+def all_layers(model):
     out, stack, seen = [], list(getattr(model, "layers", [])), set()
     while stack:
         layer = stack.pop(0)
