@@ -304,14 +304,20 @@ def set_backing(variable, tf_variable):
 def new_backing(variable, value):
     """A new TF variable for `variable` (in the current scope), not installed.
 
-    It has the Keras variable's dtype, trainability, aggregation and
-    synchronization; created inside a strategy's scope it is distributed.
+    It has the Keras variable's dtype, aggregation and synchronization, and
+    the current backing's own `trainable` flag: the one TensorFlow's tape
+    reads, fixed when the backing was made (a layer frozen then unfrozen
+    keeps it), so that gradients flow exactly where they flow on one
+    device. Created inside a strategy's scope it is distributed.
     """
     current = backing(variable)
+    keras_trainable = variable.trainable
     try:
+        variable.trainable = getattr(current, "trainable", keras_trainable)
         getattr(variable, _VARIABLE_INITIALIZE)(value)
         return backing(variable)
     finally:
+        variable.trainable = keras_trainable
         set_backing(variable, current)
 
 
@@ -338,6 +344,25 @@ def random_module():
     _require(module, RANDOM_FUNCTIONS + ("_cast_seed", "draw_seed"),
              _RANDOM_MODULE,
              "make random draws inside a replica equal one device's")
+    return module
+
+
+# Synchronized BatchNormalization computes its moments through the TF
+# backend's `nn.moments(..., synchronized=True)`, which calls the module's
+# `_compute_moments_sync` at call time: local sums and counts, all-reduced.
+# keras-mirror replaces it inside replica steps so that a stand-in replica
+# (an empty shard running one row, `steps/_stand_in.py`) adds nothing.
+_NN_MODULE = "keras.src.backend.tensorflow.nn"
+SYNC_MOMENTS = "_compute_moments_sync"
+
+
+def moments_module():
+    """The TF backend's nn module, checked for the synchronized moments."""
+    import importlib
+
+    module = importlib.import_module(_NN_MODULE)
+    _require(module, (SYNC_MOMENTS, "moments"), _NN_MODULE,
+             "leave empty shards out of synchronized BatchNorm statistics")
     return module
 
 

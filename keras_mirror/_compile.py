@@ -9,6 +9,8 @@ them for the replicas and compiles the wrapper itself as a shell that Keras's
 `train_step`, gets a step counter) and reports the model's metrics.
 """
 
+import warnings
+
 import keras
 import tensorflow as tf
 
@@ -60,6 +62,74 @@ def adopt(mirrored):
         run_eagerly=bool(getattr(inner, "run_eagerly", False)),
         jit_compile=False, auto_scale_loss=False)
     mirrored._reductions = None
+    mirrored._adopted = _CompileState(inner)
+
+
+class _CompileState:
+    """What a compile of the user's model set, as the wrapper adopted it.
+
+    Keras's `compile` makes a new loss tracker every time, so a tracker that
+    is not the adopted one means the model was compiled again.
+    """
+
+    def __init__(self, model):
+        self.tracker = _compat.loss_tracker(model)
+        self.optimizer = getattr(model, "optimizer", None)
+        self.trainable = _trainable_state(model)
+
+    def warn_if_trainable_changed(self, model):
+        """Keras's intended warning (dead code in Keras 3.15's trainer)."""
+        current = _trainable_state(model)
+        changed = [name for name, flag in current.items()
+                   if self.trainable.get(name) != flag]
+        self.trainable = current
+        if changed:
+            warnings.warn(
+                "A layer's `trainable` state has changed since the model "
+                "was compiled; as in Keras, the change takes effect when "
+                "the model is compiled again (`model.compile(...)`), and "
+                "until then training goes on as compiled. "
+                f"Changed layers: {changed}", UserWarning, stacklevel=3)
+
+    def recompiled(self, model):
+        return _compat.loss_tracker(model) is not self.tracker
+
+    def optimizer_replaced(self, model):
+        return getattr(model, "optimizer", None) is not self.optimizer
+
+
+def _trainable_state(model):
+    return {layer.name: layer.trainable
+            for layer in [model] + _rebuild.all_layers(model)}
+
+
+def follow(mirrored):
+    """Adopts what the user did to the model since the last wrapper call.
+
+    Called first in every wrapper call. A `model.compile(...)` after
+    wrapping (the fine-tuning guide's recompile after `trainable = True`, a
+    new loss, optimizer or `steps_per_execution`) takes effect in this call,
+    as it would in the model's own next `fit`. A `model.optimizer` replaced
+    without compiling is refused: plain Keras would keep training with the
+    optimizer its traced step captured, silently.
+    """
+    inner = mirrored._inner
+    if not getattr(inner, "compiled", False):
+        return
+    state = mirrored.__dict__.get("_adopted")
+    if state is None or state.recompiled(inner):
+        adopt(mirrored)
+        mirrored._homes.refresh()
+        return
+    state.warn_if_trainable_changed(inner)
+    if state.optimizer_replaced(inner):
+        raise ValueError(
+            "The wrapped model's `optimizer` was replaced after it was "
+            "compiled. Keras's own `fit` would keep training with the "
+            "optimizer its step was traced with; compile the model again "
+            "(`model.compile(optimizer=...)`) so that the new one trains. "
+            f"Received: model.optimizer={inner.optimizer!r}, compiled "
+            f"with optimizer={state.optimizer!r}")
 
 
 def build(mirrored, batch):

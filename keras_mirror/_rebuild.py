@@ -68,12 +68,41 @@ def check_weights_exist(model):
 
 def synchronized_layers(model):
     """Names of the model's `BatchNormalization(synchronized=True)` layers."""
-    return [layer.name for layer in _all_layers(model)
+    return [layer.name for layer in all_layers(model)
             if isinstance(layer, keras.layers.BatchNormalization)
             and getattr(layer, "synchronized", False)]
 
 
-def _all_layers(model):
+def stateful_layers(model):
+    """Names of the model's stateful RNN layers (`stateful=True`)."""
+    return [layer.name for layer in all_layers(model)
+            if getattr(layer, "stateful", False) is True]
+
+
+def check_not_stateful(model, local_replicas, cluster=None):
+    """Refuses stateful RNNs over several replicas, naming the layers.
+
+    A stateful RNN keeps one state row per row of a fixed batch and carries
+    it to the same row of the next batch. Split over replicas, each shard
+    would have to read and write only its own rows of that state, always
+    the same rows; keras-mirror does not do that, so it refuses rather
+    than train differently from one device.
+    """
+    names = stateful_layers(model)
+    if not names or (local_replicas == 1 and cluster is None):
+        return
+    replicas = (f"{local_replicas} replicas" if cluster is None else
+                f"{local_replicas} replicas per worker of a cluster")
+    raise ValueError(
+        f"keras-mirror cannot split a stateful RNN over {replicas}: "
+        f"the layers {names} keep one state row per row of "
+        "the batch across batches, which the replicas' shards would "
+        "have to share. Train it on one device, or use `stateful=False` "
+        "(each batch starts from a zero state). Received: model with "
+        f"stateful layers {names} and {replicas}")
+
+
+def all_layers(model):
     out, stack, seen = [], list(getattr(model, "layers", [])), set()
     while stack:
         layer = stack.pop(0)
@@ -82,6 +111,9 @@ def _all_layers(model):
         seen.add(id(layer))
         out.append(layer)
         stack.extend(getattr(layer, "layers", []) or [])
+        stack.extend(getattr(layer, name) for name in (
+            "forward_layer", "backward_layer", "layer")
+            if isinstance(getattr(layer, name, None), keras.layers.Layer))
     return out
 
 

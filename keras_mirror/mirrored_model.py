@@ -166,6 +166,7 @@ class MirroredModel(ReplicaAttributes, dispatch.StepDispatch,
             strategy = devices_lib.multi_worker_strategy(spec, resolved, comm)
         original = _rebuild.build_original(model)
         _rebuild.check_weights_exist(original)
+        _rebuild.check_not_stateful(original, len(resolved), spec)
         execution, reason = _execution.pick(
             execution, resolved, spec, own_step.has_custom_step(original),
             _execution.collective_options(bytes_per_pack, communication),
@@ -231,6 +232,7 @@ class MirroredModel(ReplicaAttributes, dispatch.StepDispatch,
             callbacks=None, validation_data=None, steps_per_epoch=None,
             **kwargs):
         """Trains as `keras.Model.fit`, with the input split per replica."""
+        _compile.follow(self)
         _compile.require_compiled(self, "fit")
         _validate.check_fit_inputs(self, x, y, batch_size, steps_per_epoch,
                                    kwargs.get("sample_weight"))
@@ -264,6 +266,7 @@ class MirroredModel(ReplicaAttributes, dispatch.StepDispatch,
 
     def evaluate(self, x=None, y=None, batch_size=None, **kwargs):
         """Evaluates as `keras.Model.evaluate`, with exact global metrics."""
+        _compile.follow(self)
         _compile.require_compiled(self, "evaluate")
         if not kwargs.get("_use_cached_eval_dataset"):
             x, batch_size = _capacity.adapt_input(self, x, batch_size)
@@ -274,6 +277,7 @@ class MirroredModel(ReplicaAttributes, dispatch.StepDispatch,
 
     def predict(self, x, batch_size=None, **kwargs):
         """Predicts as `keras.Model.predict`; rows keep the input order."""
+        _compile.follow(self)
         x, batch_size = _capacity.adapt_input(self, x, batch_size)
         if not self._inner.built:
             _rebuild.build_from_batch(self._inner, _inputs.first_x(x))
@@ -283,6 +287,7 @@ class MirroredModel(ReplicaAttributes, dispatch.StepDispatch,
 
     def train_on_batch(self, x, y=None, sample_weight=None, **kwargs):
         """Runs one exact step on one global batch."""
+        _compile.follow(self)
         _compile.require_compiled(self, "train_on_batch")
         _validate.check_inputs(self, x, y, sample_weight)
         _capacity.on_batch(self, x)
@@ -294,6 +299,7 @@ class MirroredModel(ReplicaAttributes, dispatch.StepDispatch,
 
     def test_on_batch(self, x, y=None, sample_weight=None, **kwargs):
         """Evaluates one global batch exactly."""
+        _compile.follow(self)
         _compile.require_compiled(self, "test_on_batch")
         _validate.check_inputs(self, x, y, sample_weight)
         _capacity.on_batch(self, x)
@@ -304,6 +310,7 @@ class MirroredModel(ReplicaAttributes, dispatch.StepDispatch,
 
     def predict_on_batch(self, x):
         """Predicts one global batch; rows keep the input order."""
+        _compile.follow(self)
         _capacity.on_batch(self, x)
         if not self._inner.built:
             _rebuild.build_from_batch(self._inner, x)

@@ -105,6 +105,11 @@ class ReplicaContext:
             raise RuntimeError(self._reduce_error)
         import tensorflow as tf
 
+        # An empty shard runs a stand-in row (`steps/_stand_in.py`): it adds
+        # nothing to the sum.
+        rows = tf.cast(self.shard_size, tf.int32)
+        value = tf.nest.map_structure(
+            lambda v: tf.where(rows > 0, v, tf.zeros_like(v)), value)
         ctx = tf.distribute.get_replica_context()
         return ctx.all_reduce(tf.distribute.ReduceOp.SUM, value,
                               options=self._options)

@@ -244,3 +244,34 @@ def test_a_missing_private_name_fails_loudly_by_name():
     opt = keras.optimizers.SGD()
     with pytest.raises(RuntimeError, match=r"SGD\._no_such_hook"):
         _compat._replace_method(opt, "_no_such_hook", lambda f: f, "hook")
+
+
+def test_moments_module_calls_the_synchronized_moments_by_name():
+    import tensorflow as tf
+
+    module = _compat.moments_module()
+    calls = []
+    original = getattr(module, _compat.SYNC_MOMENTS)
+
+    def spy(x, axes, keepdims):
+        calls.append(axes)
+        return original(x, axes, keepdims)
+
+    with _compat.replaced(module, {_compat.SYNC_MOMENTS: spy}):
+        mean, _ = module.moments(tf.ones((3, 2)), [0], synchronized=True)
+    assert calls == [[0]]
+    assert mean.numpy().tolist() == [1.0, 1.0]
+
+
+def test_new_backing_keeps_the_tf_trainable_flag_of_the_current_backing():
+    # A layer built trainable, frozen, then unfrozen: its backing stays
+    # `trainable=True` (what TensorFlow's tape watches), and so must a new
+    # backing made while the layer is frozen.
+    layer = keras.layers.Dense(2)
+    layer.build((None, 3))
+    layer.trainable = False
+    kernel = layer.kernel
+    made = _compat.new_backing(kernel, kernel.numpy())
+    assert made.trainable is True
+    assert kernel.trainable is False  # the Keras flag is left as it was
+    assert _compat.backing(kernel) is not made

@@ -101,6 +101,18 @@ def test_two_workers_train_like_one_device(tmp_path, capsys):
 
 
 @pytest.mark.timeout(100)
+def test_a_worker_whose_rows_are_all_empty_runs_stand_ins(tmp_path, capsys):
+    # 42 rows, batch 8: the last batch's 2 rows go to worker 0's replicas;
+    # worker 1's replicas run stand-in rows through the convolution.
+    code = run_workers(tmp_path, "--epochs", "1", "--model", "conv")
+    out, err = capsys.readouterr()
+    assert code == 0, out + err
+    assert_equal_single_device(tmp_path, epochs=1, steps=6, kind="conv")
+    info = json.loads((tmp_path / "info_1.json").read_text())
+    assert info["replica_samples"] == [[11, 11, 10, 10]]
+
+
+@pytest.mark.timeout(100)
 def test_sparse_embedding_gradients_are_gathered_across_workers(
         tmp_path, capsys):
     # Embedding gradients are IndexedSlices: each replica's rows are

@@ -21,6 +21,7 @@ import tensorflow as tf
 
 from keras_mirror import _compat
 from keras_mirror.replica_context import active
+from keras_mirror.steps import _stand_in
 
 
 def _scalar(value):
@@ -80,7 +81,8 @@ def read(metric, key):
 def replica_weights(model):
     """Within the block, `model`'s mean metrics weigh replica updates.
 
-    Every metric's `result()` is also recorded (see `source`).
+    Every metric's `result()` is also recorded (see `source`), and no
+    metric is updated on a stand-in replica (`_stand_in`).
     """
     everything = [m for m in getattr(model, "metrics", []) or []
                   if isinstance(m, keras.metrics.Metric)]
@@ -98,6 +100,13 @@ def replica_weights(model):
         for metric in metrics:
             metric.update_state = _weighted(metric.update_state)
             patched.append(metric)
+        for metric in everything:
+            # A stand-in replica (an empty shard running one row) updates
+            # no metric: its row is not data.
+            metric.update_state = _stand_in.unless_stand_in(
+                metric.update_state)
+            if not any(metric is m for m in patched):
+                patched.append(metric)
         yield
     finally:
         for metric in patched:

@@ -5,6 +5,7 @@ import contextlib
 from keras_mirror import _compat
 from keras_mirror.steps import _metric_weights
 from keras_mirror.steps import _random
+from keras_mirror.steps import _stand_in
 
 
 @contextlib.contextmanager
@@ -16,8 +17,11 @@ def replica_scope(mirrored):
       loss and keras-mirror weights it;
     - `keras.random` draws give one device's numbers (`_random`);
     - mean metrics updated inside a replica weigh it as one device would
-      (`_metric_weights`).
+      (`_metric_weights`);
+    - an empty shard's stand-in row updates no metric and stays out of
+      synchronized BatchNorm's statistics (`_stand_in`).
     """
     with _compat.unscaled_losses(), _random.exact_draws(), \
-            _metric_weights.replica_weights(mirrored._inner):
+            _metric_weights.replica_weights(mirrored._inner), \
+            _stand_in.exclude_from_moments():
         yield

@@ -42,6 +42,7 @@ from keras_mirror.replica_context import activate
 from keras_mirror.steps import _reductions
 from keras_mirror.steps import _scope
 from keras_mirror.steps import _sparse
+from keras_mirror.steps import _stand_in
 from keras_mirror.steps import arithmetic
 
 _NO_REDUCE = (
@@ -57,11 +58,16 @@ def _context(mirrored, r, shard_rows, rows, offset):
 
 
 def _shards(mirrored, data, rows):
-    """`[(shard, offset)]`: `data`'s shards, each sliced on its device."""
+    """`[(shard, offset, rows of the plan)]`, each sliced on its device.
+
+    An empty shard holds one stand-in row (`_stand_in`): its rows of the
+    plan are 0.
+    """
     if len(mirrored.devices) == 1:
-        return [(data, 0)]
-    offsets = split.offsets_tensor(mirrored._plan_sizes(rows))
-    return [(shard, offsets[r]) for r, shard in enumerate(
+        return [(data, 0, rows)]
+    sizes = mirrored._plan_sizes(rows)
+    offsets = split.offsets_tensor(sizes)
+    return [(shard, offsets[r], sizes[r]) for r, shard in enumerate(
         mirrored._in_graph_shards(data, rows))]
 
 
@@ -70,11 +76,16 @@ def _loss(mirrored, x, y, y_pred, sw, training):
         mirrored._inner, x, y, y_pred, sw, training), tf.float32)
 
 
-def _contribution(mirrored, shard_loss, extras, count, total, first):
-    """`arithmetic.contribution`, with the batch-sum terms weighted 1."""
+def _contribution(mirrored, shard_loss, extras, count, total, first, rows):
+    """`arithmetic.contribution`, with the batch-sum terms weighted 1.
+
+    A stand-in shard (`rows` 0) adds nothing but, on replica 0, the weight
+    regularisation.
+    """
     reductions = getattr(mirrored, "_reductions", None)
     summed = (reductions.sum_terms(shard_loss, extras)
               if reductions is not None else 0.0)
+    summed = tf.where(rows > 0, summed, 0.0)
     return arithmetic.contribution(
         shard_loss - summed, arithmetic.weight_regularization(mirrored._inner),
         count, total, first) + summed
@@ -97,7 +108,8 @@ def _shares(masks, shard_rows, rows):
     """
     if masks[0] is None:
         return shard_rows, rows
-    counts = [arithmetic.unmasked_entries(m) for m in masks]
+    counts = [tf.where(r > 0, arithmetic.unmasked_entries(m), 0.0)
+              for m, r in zip(masks, shard_rows)]
     return counts, tf.add_n(counts)
 
 
@@ -166,22 +178,24 @@ def _forward(mirrored, packed, present, rows, training, guard=None):
     many = len(mirrored.devices) > 1
     shards = []
     with _scope.replica_scope(mirrored):
-        for r, (device, (shard, offset)) in enumerate(
+        for r, (device, (shard, offset, shard_rows)) in enumerate(
                 zip(mirrored.devices, _shards(mirrored, packed, rows))):
             xr, yr, swr = mirrored._unpack(shard, present)
             with tf.device(device):
-                shard_rows = arithmetic.batch_rows(xr)
                 tape = tf.GradientTape() if training else None
                 with (tape or contextlib.nullcontext()), _context(
                         mirrored, r, shard_rows, rows, offset):
                     y_pred = inner(xr, training=training)
                     loss = _loss(mirrored, xr, yr, y_pred, swr, training)
                     extras = list(inner.losses)
+                mask = arithmetic.output_mask(y_pred) if many else None
+                if many:  # a stand-in row is no prediction
+                    y_pred, mask, swr = _stand_in.real_rows(
+                        (y_pred, mask, swr), shard_rows)
             if guard is not None:
                 guard.after_replica(r)
             shards.append(_Shard(
-                device, shard_rows, swr, tape, y_pred, loss, extras,
-                arithmetic.output_mask(y_pred) if many else None))
+                device, shard_rows, swr, tape, y_pred, loss, extras, mask))
     return shards
 
 
@@ -211,7 +225,7 @@ def train_step(mirrored, data):
                 else:
                     contribution = _contribution(
                         mirrored, shard.loss, shard.extras, counts[r], total,
-                        r == 0)
+                        r == 0, shard.rows)
                 scaled = optimizer.scale_loss(contribution)
             g = shard.tape.gradient(scaled, variables)
             if r > 0:  # replica 0 holds a row of every non-empty batch
@@ -257,7 +271,8 @@ def test_step(mirrored, data):
     for r, shard in enumerate(shards):
         with tf.device(shard.device):
             contributions.append(_contribution(
-                mirrored, shard.loss, shard.extras, counts[r], total, r == 0))
+                mirrored, shard.loss, shard.extras, counts[r], total, r == 0,
+                shard.rows))
     with tf.device(mirrored.devices[0]):
         y_pred = _concat([s.y_pred for s in shards],
                          [s.mask for s in shards])
@@ -270,10 +285,11 @@ def predict_step(mirrored, data):
     preds = []
     rows = arithmetic.batch_rows(x)
     with _scope.replica_scope(mirrored):
-        for r, (device, (shard, offset)) in enumerate(
+        for r, (device, (shard, offset, shard_rows)) in enumerate(
                 zip(mirrored.devices, _shards(mirrored, x, rows))):
             with tf.device(device), _context(
-                    mirrored, r, arithmetic.batch_rows(shard), rows, offset):
-                preds.append(mirrored._inner(shard, training=False))
+                    mirrored, r, shard_rows, rows, offset):
+                preds.append(_stand_in.real_rows(
+                    mirrored._inner(shard, training=False), shard_rows))
     with tf.device(mirrored.devices[0]):
         return _concat(preds)

@@ -48,6 +48,7 @@ from keras_mirror.replica_context import activate
 from keras_mirror.replica_context import active
 from keras_mirror.steps import _metric_weights
 from keras_mirror.steps import _scope
+from keras_mirror.steps import _stand_in
 from keras_mirror.steps import arithmetic
 
 PREFIX = "replica_"
@@ -201,7 +202,9 @@ def _run(mirrored, data, method):
 
     def one_replica(shard, r):
         shard_data = _with_shard(data, flat, present, shard)
-        shard_rows = tf.shape(shard[0])[0]
+        # The plan's rows: 0 for an empty shard, which runs one stand-in
+        # row (`_stand_in`) that counts for nothing.
+        shard_rows = tf.gather(sizes, r)
         ctx = ReplicaContext(r, n, shard_rows, rows, distributed=True,
                              options=mirrored._comm_options,
                              gradient_dtype=mirrored._gradient_dtype,
@@ -211,8 +214,12 @@ def _run(mirrored, data, method):
             out = step(shard_data)
         samples = tf.reshape(tf.cast(shard_rows, tf.float32), [1])
         if method == "predict_step":
-            return out, samples
-        return _vectors(out, method, sources), samples
+            return _stand_in.real_rows(out, shard_rows), samples
+        vectors = _vectors(out, method, sources)
+        # A stand-in replica reports nothing of its own.
+        vectors = {k: tf.where(shard_rows > 0, v, tf.zeros_like(v))
+                   for k, v in vectors.items()}
+        return vectors, samples
 
     if mirrored.execution == "in_graph":
         outs = []

@@ -17,8 +17,10 @@ from keras_mirror import split
 from keras_mirror.callbacks import _replica_logs
 from keras_mirror.replica_context import ReplicaContext
 from keras_mirror.replica_context import activate
+from keras_mirror.replica_context import active
 from keras_mirror.steps import _reductions
 from keras_mirror.steps import _scope
+from keras_mirror.steps import _stand_in
 from keras_mirror.steps import arithmetic
 
 
@@ -32,15 +34,16 @@ class ReplicaSteps:
                                   self._capacity)
 
     def _distribute(self, data, sizes):
-        """Slices each leaf of `data` into the replicas' shards."""
-        offsets = split.offsets_tensor(sizes)
+        """Slices each leaf of `data` into the replicas' shards.
+
+        An empty shard gets one stand-in row (`_stand_in`).
+        """
+        starts, runs = _stand_in.bounds(sizes)
 
         def shard(ctx):
             r = ctx.replica_id_in_sync_group
             return tf.nest.map_structure(
-                lambda t: arithmetic.dynamic_rows(
-                    t[offsets[r]:offsets[r] + sizes[r]]),
-                data)
+                lambda t: _stand_in.shard(t, starts[r], runs[r]), data)
 
         return self._strategy.experimental_distribute_values_from_function(
             shard)
@@ -66,13 +69,13 @@ class ReplicaSteps:
         if len(self._devices) == 1:  # the plan is the whole batch
             return [data]
         sizes = self._plan_sizes(rows)
-        offsets = split.offsets_tensor(sizes)
+        starts, runs = _stand_in.bounds(sizes)
         shards = []
         for r, device in enumerate(self._devices):
             with tf.device(device):
                 shards.append(tf.nest.map_structure(
-                    lambda t, r=r: arithmetic.dynamic_rows(
-                        t[offsets[r]:offsets[r] + sizes[r]]), data))
+                    lambda t, r=r: _stand_in.shard(t, starts[r], runs[r]),
+                    data))
         return shards
 
     @staticmethod
@@ -87,14 +90,23 @@ class ReplicaSteps:
         it = iter(packed)
         return tuple(next(it) if p else None for p in present)
 
-    def _context(self, global_rows, x, offsets):
-        """Makes `replica_context()` describe this replica in its step."""
+    def _context(self, global_rows, sizes):
+        """Makes `replica_context()` describe this replica in its step.
+
+        Its shard size is the plan's (0 for a stand-in replica, whose
+        tensors hold one row).
+        """
         r = tf.distribute.get_replica_context().replica_id_in_sync_group
         return activate(ReplicaContext(
-            r, self.num_replicas, arithmetic.batch_rows(x), global_rows,
+            r, self.num_replicas, tf.gather(sizes, r), global_rows,
             distributed=True, options=self._comm_options,
             gradient_dtype=self._gradient_dtype,
-            offset=tf.gather(offsets, r)))
+            offset=tf.gather(split.offsets_tensor(sizes), r)))
+
+    @staticmethod
+    def _real_rows():
+        """This replica's rows of the plan (0: it runs a stand-in row)."""
+        return tf.cast(active().shard_size, tf.int32)
 
     # -- losses ------------------------------------------------------------
 
@@ -102,25 +114,30 @@ class ReplicaSteps:
                       mask=None):
         """Returns (contribution to the global loss, shard loss)."""
         ctx = tf.distribute.get_replica_context()
+        rows = self._real_rows()
         # Losses are not divided by the replica count in a step
         # (`_compat.unscaled_losses`): this is one device's loss of the shard.
         shard = tf.cast(_reductions.compute_loss(
             self._inner, x, y, y_pred, sw, training), tf.float32)
         first = tf.equal(ctx.replica_id_in_sync_group, 0)
         if mask is None:
-            count, total = arithmetic.batch_rows(x), global_rows
+            count, total = rows, global_rows
         else:
-            count = arithmetic.unmasked_entries(mask)
+            count = tf.where(rows > 0, arithmetic.unmasked_entries(mask), 0.0)
             total = ctx.all_reduce(tf.distribute.ReduceOp.SUM, count)
-        return self._contribution(shard, count, total, first), shard
+        return self._contribution(shard, count, total, first, rows), shard
 
-    def _contribution(self, shard, count, total, first):
+    def _contribution(self, shard, count, total, first, rows):
         """`arithmetic.contribution`; batch-sum terms (`_reductions`) whole.
+
+        A stand-in replica (`rows` 0) contributes nothing but, on replica
+        0, the weight regularisation.
         """
         reductions = getattr(self, "_reductions", None)
         summed = (reductions.sum_terms(shard, self._inner.losses)
                   if reductions is not None else 0.0)
         reg = arithmetic.weight_regularization(self._inner)
+        summed = tf.where(rows > 0, summed, 0.0)
         return arithmetic.contribution(
             shard - summed, reg, count, total, first) + summed
 
@@ -145,20 +162,20 @@ class ReplicaSteps:
 
     # -- train -------------------------------------------------------------
 
-    def _replica_train(self, packed, present, global_rows, start, offsets):
+    def _replica_train(self, packed, present, global_rows, start, sizes):
         x, y, sw = self._unpack(packed, present)
-        rows = arithmetic.batch_rows(x)
         keys = self._stat_keys()
         variables = self._inner.trainable_weights
         optimizer = self._inner.optimizer
-        with tf.GradientTape() as tape, self._context(global_rows, x,
-                                                      offsets):
+        with tf.GradientTape() as tape, self._context(global_rows, sizes):
+            rows = self._real_rows()
             y_pred = self._inner(x, training=True)
             mask = arithmetic.output_mask(y_pred)
             contribution, shard = self._replica_loss(
                 x, y, y_pred, sw, True, global_rows, mask)
             scaled = optimizer.scale_loss(contribution)
         grads = arithmetic.zero_if_empty(tape.gradient(scaled, variables), rows)
+        sw = _stand_in.real_rows(sw, rows)
         stats = arithmetic.compute_stats(keys, start, grads, shard, rows, sw)
         reduced = allreduce.all_reduce_sum(
             grads, self._comm_options, self._gradient_dtype)
@@ -171,6 +188,7 @@ class ReplicaSteps:
             self._apply(reduced, variables, total_nonfinite)
         loss = ctx.all_reduce(tf.distribute.ReduceOp.SUM, contribution)
         packed = arithmetic.pack_stats([stats], keys) if keys else None
+        y_pred, mask = _stand_in.real_rows((y_pred, mask), rows)
         return self._with_mask(y_pred, mask), loss, packed
 
     def _apply(self, grads, variables, total_nonfinite):
@@ -203,11 +221,10 @@ class ReplicaSteps:
         start, packed = arithmetic.step_start(packed, self._stat_keys())
         sizes = self._plan_sizes(rows)
         shards = self._distribute(packed, sizes)
-        offsets = split.offsets_tensor(sizes)
         with _scope.replica_scope(self):
             y_pred, loss, stats = self._strategy.run(
                 self._replica_train,
-                args=(shards, present, rows, start, offsets))
+                args=(shards, present, rows, start, sizes))
         self._sync_state()
         y_pred = self._gather_predictions(y_pred)
         logs = self._track(x, y, y_pred, sw, self._first(loss), rows)
@@ -232,15 +249,17 @@ class ReplicaSteps:
 
     # -- test and predict --------------------------------------------------
 
-    def _replica_test(self, packed, present, global_rows, offsets):
+    def _replica_test(self, packed, present, global_rows, sizes):
         x, y, sw = self._unpack(packed, present)
-        with self._context(global_rows, x, offsets):
+        with self._context(global_rows, sizes):
+            rows = self._real_rows()
             y_pred = self._inner(x, training=False)
             mask = arithmetic.output_mask(y_pred)
             contribution, shard = self._replica_loss(
                 x, y, y_pred, sw, False, global_rows, mask)
         ctx = tf.distribute.get_replica_context()
         loss = ctx.all_reduce(tf.distribute.ReduceOp.SUM, contribution)
+        y_pred, mask = _stand_in.real_rows((y_pred, mask), rows)
         return self._with_mask(y_pred, mask), loss
 
     def test_step(self, data):
@@ -249,24 +268,23 @@ class ReplicaSteps:
         packed, present = self._pack(x, y, sw)
         sizes = self._plan_sizes(rows)
         shards = self._distribute(packed, sizes)
-        offsets = split.offsets_tensor(sizes)
         with _scope.replica_scope(self):
             y_pred, loss = self._strategy.run(
-                self._replica_test, args=(shards, present, rows, offsets))
+                self._replica_test, args=(shards, present, rows, sizes))
         y_pred = self._gather_predictions(y_pred)
         return self._track(x, y, y_pred, sw, self._first(loss), rows)
 
-    def _replica_predict(self, x, global_rows, offsets):
-        with self._context(global_rows, x, offsets):
-            return self._inner(x, training=False)
+    def _replica_predict(self, x, global_rows, sizes):
+        with self._context(global_rows, sizes):
+            return _stand_in.real_rows(self._inner(x, training=False),
+                                       self._real_rows())
 
     def predict_step(self, data):
         x, _, _ = keras.utils.unpack_x_y_sample_weight(data)
         rows = arithmetic.batch_rows(x)
         sizes = self._plan_sizes(rows)
         shards = self._distribute(x, sizes)
-        offsets = split.offsets_tensor(sizes)
         with _scope.replica_scope(self):
             out = self._strategy.run(self._replica_predict,
-                                     args=(shards, rows, offsets))
+                                     args=(shards, rows, sizes))
         return self._gather(out)

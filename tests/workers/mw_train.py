@@ -37,13 +37,24 @@ import keras_mirror  # noqa: E402
 ROWS, BATCH = 45, 8
 
 
-KINDS = ("dense", "embedding")
+KINDS = ("dense", "embedding", "conv")
+# "conv": 42 rows, so the last global batch (2 rows) leaves worker 1's two
+# replicas empty: they run stand-in rows through a convolution.
+CONV_ROWS = 42
 VOCAB, TOKENS = 20, 5
 
 
 def model(kind="dense"):
     import keras
     keras.utils.set_random_seed(0)
+    if kind == "conv":
+        return keras.Sequential([
+            keras.Input((6, 6, 2)),
+            keras.layers.Conv2D(4, 3, strides=2, padding="same"),
+            keras.layers.ReLU(),
+            keras.layers.Flatten(),
+            keras.layers.Dense(3),
+        ])
     if kind == "embedding":
         return keras.Sequential([
             keras.Input((TOKENS,), dtype="int32"),
@@ -66,6 +77,9 @@ def optimizer():
 def data(kind="dense"):
     import numpy as np
     rng = np.random.default_rng(1)
+    if kind == "conv":
+        x = rng.normal(size=(CONV_ROWS, 6, 6, 2)).astype("float32")
+        return x, rng.normal(size=(CONV_ROWS, 3)).astype("float32")
     if kind == "embedding":
         # Few distinct tokens: replicas and workers share rows of the table.
         x = rng.integers(0, VOCAB, size=(ROWS, TOKENS)).astype("int32")
