@@ -38,7 +38,11 @@ class ReplicaContext:
             `num_replicas - 1`, in split-plan order.
         num_replicas: int. Replicas in sync.
         shard_size: int, scalar int32 tensor or None. Rows of the global
-            batch that this replica holds, `b_r` (may be 0).
+            batch that this replica holds, `b_r` (may be 0: an empty shard
+            runs one stand-in row, the global batch's first, so that no
+            kernel sees 0 rows; it counts for nothing: share 0, no metric
+            update, 0 in `all_reduce_sum`, left out of synchronized
+            BatchNorm's statistics).
         global_batch_size: int, scalar int32 tensor or None. Rows of the
             global batch, `B`.
         share: float or scalar float32 tensor. `b_r / B` (0 for an empty
