@@ -30,6 +30,7 @@ INIT_ENV = "KERAS_MIRROR_INIT"
 CPUS_ENV = "KERAS_MIRROR_CPUS_PER_WORKER"
 PORT_BASE_ENV = "KERAS_MIRROR_PORT_BASE"
 READY_FILE_ENV = "KERAS_MIRROR_READY_FILE"
+VIRTUAL_SHARDS_ENV = "KERAS_MIRROR_VIRTUAL_SHARDS"
 # A worker that stopped for a preemption (SIGTERM) after writing its step
 # backup exits with this code (EX_TEMPFAIL: "try again"); the launcher
 # restarts the group without counting it against `--max-restarts`.

@@ -42,9 +42,10 @@ import tensorflow as tf
 from keras_mirror import _compat
 from keras_mirror import errors
 from keras_mirror import split
+from keras_mirror.distribute import _multi_worker
 from keras_mirror.distribute import _pipeline_graph
 
-ENV = "KERAS_MIRROR_VIRTUAL_SHARDS"
+ENV = _multi_worker.VIRTUAL_SHARDS_ENV
 BACKUP_KEYS = ("virtual_shards", "shard_positions")
 
 
