@@ -122,7 +122,7 @@ def test_one_process_trains_like_the_reference(data_dir, cpus, capfd, form):
 
 def _launch(data_dir, out, workers, *args, **kwargs):
     return launch_lib.launch(
-        [sys.executable, WORKER, str(data_dir), str(out), *args], workers,
+        [sys.executable, str(WORKER), str(data_dir), str(out), *args], workers,
         timeout=kwargs.pop("timeout", 150), start_timeout=90,
         grace_period=2, **kwargs)
 
