@@ -98,7 +98,6 @@ def worker(args):
 
     cpus = keras_mirror.logical_cpus(1)
     import keras
-    import numpy as np
     import tensorflow as tf
 
     from keras_mirror.distribute import _virtual_shards
@@ -208,9 +207,10 @@ def report(args, results, total_bytes):
         def mean(key, group):
             return statistics.mean(r[key] for r in group)
 
+        records = mean("records_per_epoch", sh) / mean(
+            "records_per_epoch", rep)
         ratios.append(
-            f"| {workers} | "
-            f"{mean('records_per_epoch', sh) / mean('records_per_epoch', rep):.2f}"
+            f"| {workers} | {records:.2f}"
             f" | {mean('file_bytes', sh) / mean('file_bytes', rep):.2f} | "
             f"{mean('rchar_in_fit', sh) / mean('rchar_in_fit', rep):.2f} | "
             f"{mean('input_s', sh) / mean('input_s', rep):.2f} | "

@@ -527,13 +527,15 @@ CASES = {
         ValueError, r"`virtual_shards` must be at most the pipeline's batch "
         r"size \(8\).*Received: virtual_shards=16"),
     "virtual_shards_unshardable": Case(
-        "x", "a `from_tensor_slices` pipeline with worker_input='shard'",
+        "worker_input",
+        "a `from_tensor_slices` pipeline with worker_input='shard'",
         lambda cpus: _sharded_fit(cpus, ds=_ds(X, Y, batch=8)), ValueError,
         r"`worker_input='shard'` shards a `tf.data` pipeline by the files "
         r"it reads.*Received: a pipeline without a file reader or "
         r"`SHARD_HINT`"),
     "virtual_shards_shuffle": Case(
-        "x", "a pipeline with `shuffle(4)` (no seed), worker_input='shard'",
+        "shuffle",
+        "a pipeline with `shuffle(4)` (no seed), worker_input='shard'",
         lambda cpus: _sharded_fit(cpus, shuffle=True), ValueError,
         r"`worker_input='shard'` needs a `seed` on every `shuffle`.*"
         r"Received: a pipeline with 1 `shuffle` without a seed"),
