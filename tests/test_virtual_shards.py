@@ -146,19 +146,30 @@ def _assert_workers_match_reference(out, workers):
 
 
 @pytest.mark.xdist_group("network")
-@pytest.mark.timeout(180)
+@pytest.mark.timeout(240)
 @pytest.mark.parametrize("workers, form", [(2, "input_fn"), (3, "dataset")])
 def test_workers_read_their_shares_and_train_like_one_process(
         data_dir, tmp_path, capsys, workers, form):
-    code = _launch(data_dir, tmp_path, workers, "--input", form)
+    # The 2-worker run is also preempted: SIGTERM to worker 1 after step 3,
+    # every worker stops there with the backup written, and the restarted
+    # group resumes in every virtual shard.
+    preempt = ["--backup", str(tmp_path / "backup"),
+               "--sigterm-at-step", "3"] if workers == 2 else []
+    code = _launch(data_dir, tmp_path, workers, "--input", form, *preempt,
+                   timeout=220)
     out, err = capsys.readouterr()
     assert code == 0, out[-3000:] + err[-3000:]
+    if preempt:
+        assert "restarting all workers after the preemption" in err
+        assert "StepBackup resumes at epoch 0, step 4 (optimizer step 4)" \
+            in out
     shares = _shares(workers)
     assert sum(shares) == 90 and shares == ([44, 46] if workers == 2
                                             else [32, 30, 28])
     for w, share in enumerate(shares):
         info = json.loads((tmp_path / f"info_{w}.json").read_text())
-        # Only its own files: one counting pass and one pass per epoch.
+        # Only its own files: one counting pass and one pass per epoch (a
+        # resumed epoch reads past the batches it skips).
         assert info["records_parsed"] == share * (EPOCHS + 1)
         logged = re.findall(rf"\[worker {w}\] keras-mirror: worker {w} read "
                             rf"(\d+) of 90 records", err)

@@ -5,6 +5,7 @@ tests/test_virtual_shards.py (one process, or started by
 usage: vs_train.py DATA_DIR OUT_DIR [--epochs E] [--virtual-shards V]
                    [--input dataset|input_fn] [--backup DIR]
                    [--kill-at-step S --kill-worker I [--kill-always]]
+                   [--sigterm-at-step S]
 
 Trains `model()` with `worker_input="shard"` on the TFRecord files
 `write_files` wrote in DATA_DIR (`list_files(shuffle=False)`, `interleave`,
@@ -12,7 +13,9 @@ a parsing `map` that also counts the records it parses, `batch(BATCH)`),
 and writes `OUT_DIR/weights_<task index>.npz` (weights and `iterations`)
 and `OUT_DIR/info_<task index>.json` (records parsed, workers, attempt).
 With `--kill-at-step S` worker `--kill-worker` SIGKILLs itself after
-step S (attempt 0, or every attempt with `--kill-always`).
+step S (attempt 0, or every attempt with `--kill-always`); with
+`--sigterm-at-step S` worker 1 sends itself SIGTERM (a preemption) after
+step S on attempt 0.
 """
 
 import argparse
@@ -133,6 +136,7 @@ def main():
     parser.add_argument("--kill-at-step", type=int)
     parser.add_argument("--kill-worker", type=int, default=1)
     parser.add_argument("--kill-always", action="store_true")
+    parser.add_argument("--sigterm-at-step", type=int)
     args = parser.parse_args()
     cpus = keras_mirror.logical_cpus(1)
 
@@ -159,6 +163,10 @@ def main():
                     step >= args.kill_at_step and index == args.kill_worker:
                 print(f"killing myself after step {step}", flush=True)
                 os.kill(os.getpid(), signal.SIGKILL)
+            if step == args.sigterm_at_step and attempt == 0 and \
+                    index == 1:
+                print(f"SIGTERM to myself after step {step}", flush=True)
+                os.kill(os.getpid(), signal.SIGTERM)
 
     callbacks = [Kill()]
     if args.backup:
