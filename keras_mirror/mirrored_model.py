@@ -99,21 +99,12 @@ class MirroredModel(ReplicaAttributes, dispatch.StepDispatch,
         worker_input: str. `"replicate"` (default): every worker reads
             the full, identical global batch and keeps its replicas' rows of
             the split plan over all replicas (logged at construction).
-            `"shard"`: each worker reads only its share: its rows of arrays
-            (`shuffle=False`), or its virtual shards of a `tf.data` pipeline
-            or an `input_fn(input_context)` (see `virtual_shards`); the
-            step gathers the global batch, so training stays exact.
-        virtual_shards: int or None. With `worker_input="shard"` and a
-            `tf.data` input: the number of virtual shards the input is cut
-            into, fixed for the run whatever the number of workers (files
-            round-robin, or elements at a `SHARD_HINT`). Global batch `k`
-            is batch `k` of every virtual shard, in shard order, so one
-            process, 2 or 3 workers and an elastic restart train on the
-            same batches; worker `w` reads a contiguous block of shards
-            (`docs/multi-worker.md`). At least the number of workers, at
-            most the files and the batch size. Default None:
-            `KERAS_MIRROR_VIRTUAL_SHARDS` (set by `keras-mirror launch`
-            to its `--nproc-per-node`), else the number of workers.
+            `"shard"`: each worker reads only its share (rows of arrays, or
+            virtual shards of a `tf.data` input), still exact.
+        virtual_shards: int or None. Shards of a `tf.data` input with
+            `worker_input="shard"`, fixed for the run: 1, 2, 3 workers or an
+            elastic restart train on the same batches (docs/multi-worker.md).
+            Default None: `KERAS_MIRROR_VIRTUAL_SHARDS`, else the workers.
         replica_stats: bool. Whether each training step computes the
             per-replica statistics (`replica_loss`, `replica_samples`,
             `replica_sample_weight`, `replica_grad_norm`,

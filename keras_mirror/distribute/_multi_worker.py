@@ -15,8 +15,9 @@ cluster, so that a plain script (build, wrap, fit) needs no other line.
 Input between workers: with `worker_input="replicate"` every worker reads
 the same, full global batches (the input must be deterministic and
 identical on every worker) and keeps its own replicas' rows of the split
-plan; with `worker_input="shard"` each worker reads only those rows (see
-`_worker_input`).
+plan; with `worker_input="shard"` each worker reads only its rows of
+arrays (`_worker_input`) or its virtual shards of a `tf.data` input
+(`_virtual_shards`).
 """
 
 import os
