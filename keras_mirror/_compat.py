@@ -436,3 +436,38 @@ def rekey_optimizer(optimizer):
         setattr(opt, _OPT_INDICES, {
             opt._var_key(v): i
             for i, v in enumerate(getattr(opt, _OPT_VARIABLES))})
+
+
+# -- virtual shards of a tf.data pipeline (distribute/_virtual_shards.py) ---
+
+# TensorFlow shards a pipeline by its files only inside
+# `experimental_distribute_dataset`, for the strategy's workers. A virtual
+# shard is one such shard for a fixed count `V`, whatever the number of
+# workers: `_AutoShardDataset(dataset, V, v)` applies the same graph rewrite
+# (files `v, v + V, ...`, or a `SHARD_HINT`), with the policy in the
+# dataset's options. The pipeline's graph (`_as_serialized_graph`) says which
+# files it reads, its batch size and whether a `shuffle` has a seed.
+_AUTO_SHARD_MODULE = "tensorflow.python.data.experimental.ops.distribute"
+_AUTO_SHARD = "_AutoShardDataset"
+_DATASET_GRAPH = "_as_serialized_graph"
+
+
+def auto_shard(dataset, num_shards, index):
+    """`dataset`'s shard `index` of `num_shards`, as TF's auto-sharding."""
+    import importlib
+
+    module = importlib.import_module(_AUTO_SHARD_MODULE)
+    _require(module, (_AUTO_SHARD,), _AUTO_SHARD_MODULE,
+             "shard a tf.data pipeline into virtual shards")
+    return getattr(module, _AUTO_SHARD)(dataset, num_shards, index)
+
+
+def dataset_graph(dataset):
+    """The `GraphDef` of a `tf.data.Dataset`'s pipeline."""
+    from tensorflow.core.framework import graph_pb2
+
+    _require(dataset, (_DATASET_GRAPH,), "tf.data.Dataset",
+             "read a tf.data pipeline's files and batch size")
+    graph = graph_pb2.GraphDef()
+    graph.ParseFromString(getattr(dataset, _DATASET_GRAPH)().numpy())
+    return graph

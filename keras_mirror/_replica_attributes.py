@@ -52,6 +52,11 @@ class ReplicaAttributes:
         return self._worker_input
 
     @property
+    def virtual_shards(self):
+        """Virtual shards of a `tf.data` input (`worker_input="shard"`)."""
+        return self._virtual_shards
+
+    @property
     def devices(self):
         """The replicas' device names, in replica order."""
         return self._devices

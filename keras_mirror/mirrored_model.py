@@ -96,9 +96,15 @@ class MirroredModel(ReplicaAttributes, dispatch.StepDispatch,
             device or CPU devices of one host, `"strategy"` for GPUs,
             clusters and models with their own `train_step`;
             `mirrored.summary()` says which runs and why.
-        worker_input: str. `"replicate"` (the only mode): every worker reads
+        worker_input: str. `"replicate"` (default): every worker reads
             the full, identical global batch and keeps its replicas' rows of
             the split plan over all replicas (logged at construction).
+            `"shard"`: each worker reads only its share (rows of arrays, or
+            virtual shards of a `tf.data` input), still exact.
+        virtual_shards: int or None. Shards of a `tf.data` input with
+            `worker_input="shard"`, fixed for the run: 1, 2, 3 workers or an
+            elastic restart train on the same batches (docs/multi-worker.md).
+            Default None: `KERAS_MIRROR_VIRTUAL_SHARDS`, else the workers.
         replica_stats: bool. Whether each training step computes the
             per-replica statistics (`replica_loss`, `replica_samples`,
             `replica_sample_weight`, `replica_grad_norm`,
@@ -132,7 +138,7 @@ class MirroredModel(ReplicaAttributes, dispatch.StepDispatch,
                  on_nonfinite="warn", gradient_dtype=None, bytes_per_pack=0,
                  communication="auto", timeout_seconds=None, cluster=None,
                  worker_input="replicate", execution="auto",
-                 replica_stats=True, name=None):
+                 replica_stats=True, name=None, virtual_shards=None):
         _compat.check_keras_version()
         _compat.check_backend()
         _rebuild.check_no_outer_scope(model)
@@ -160,6 +166,8 @@ class MirroredModel(ReplicaAttributes, dispatch.StepDispatch,
         resolved = devices_lib.resolve_devices(devices)
         spec = _multi_worker.cluster_spec(cluster)
         _multi_worker.check_worker_input(worker_input, spec)
+        virtual_shards = _worker_input.check_virtual_shards(
+            virtual_shards, worker_input, spec)
         if spec is not None:
             # Built before the model: TF must not initialise first.
             _execution.check(execution, "a multi-worker cluster")
@@ -187,6 +195,7 @@ class MirroredModel(ReplicaAttributes, dispatch.StepDispatch,
         self._multi_worker = spec is not None
         self._cluster = spec
         self._worker_input = worker_input
+        self._virtual_shards = virtual_shards
         # The user's own model object trains: no copy, no config round trip.
         self._inner = original
         object.__setattr__(self, "_homes", (
@@ -234,6 +243,7 @@ class MirroredModel(ReplicaAttributes, dispatch.StepDispatch,
         """Trains as `keras.Model.fit`, with the input split per replica."""
         _compile.follow(self)
         _compile.require_compiled(self, "fit")
+        x = _worker_input.virtual_input(self, x, y, batch_size)
         _validate.check_fit_inputs(self, x, y, batch_size, steps_per_epoch,
                                    kwargs.get("sample_weight"))
         x, batch_size = _capacity.adapt_input(self, x, batch_size)

@@ -275,3 +275,23 @@ def test_new_backing_keeps_the_tf_trainable_flag_of_the_current_backing():
     assert made.trainable is True
     assert kernel.trainable is False  # the Keras flag is left as it was
     assert _compat.backing(kernel) is not made
+
+
+def test_auto_shard_dataset_reads_files_round_robin(tmp_path):
+    files = []
+    for i in range(3):
+        files.append(str(tmp_path / f"f{i}.tfrecord"))
+        with tf.io.TFRecordWriter(files[-1]) as writer:
+            for r in range(2):
+                writer.write(f"{i}-{r}".encode())
+    options = tf.data.Options()
+    options.experimental_distribute.auto_shard_policy = (
+        tf.data.experimental.AutoShardPolicy.FILE)
+    ds = tf.data.TFRecordDataset(files).with_options(options)
+    shard = _compat.auto_shard(ds, 3, 1)
+    assert [r.numpy() for r in shard] == [b"1-0", b"1-1"]
+
+
+def test_dataset_graph_holds_the_pipeline_ops():
+    graph = _compat.dataset_graph(tf.data.Dataset.range(5).batch(2))
+    assert {"RangeDataset", "BatchDatasetV2"} <= {n.op for n in graph.node}

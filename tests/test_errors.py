@@ -106,6 +106,27 @@ def _shard_shuffled(cpus):
     return _worker_input.shard_fit_input(worker, X, Y, 8, {})
 
 
+def _records(files, shuffle=False):
+    """A TFRecord pipeline over `files` files of 4 rows, in the cwd."""
+    names = []
+    for i in range(files):
+        names.append(f"part-{i}.tfrecord")
+        with tf.io.TFRecordWriter(names[-1]) as writer:
+            for _ in range(4):
+                writer.write(tf.io.serialize_tensor(X[0]).numpy())
+    ds = tf.data.TFRecordDataset(names).map(
+        lambda r: (tf.ensure_shape(tf.io.parse_tensor(r, tf.float32), [3]),
+                   tf.ones([1])))
+    return (ds.shuffle(4) if shuffle else ds).batch(8)
+
+
+def _sharded_fit(cpus, files=8, shuffle=False, virtual_shards=4, ds=None):
+    mirrored = _mirrored(cpus, worker_input="shard",
+                         virtual_shards=virtual_shards)
+    tf.random.set_seed(None)  # else TF derives a seed for `shuffle`
+    mirrored.fit(_records(files, shuffle) if ds is None else ds, verbose=0)
+
+
 def _tf_config(text):
     return lambda cpus: cluster.cluster_from_env({"TF_CONFIG": text})
 
@@ -495,6 +516,40 @@ CASES = {
         _shard_shuffled, ValueError,
         r"`worker_input='shard'` needs `shuffle=False`.*Received: "
         r"shuffle=True"),
+    "virtual_shards_files": Case(
+        "virtual_shards", "4, over a pipeline reading 2 files",
+        lambda cpus: _sharded_fit(cpus, files=2), ValueError,
+        r"`virtual_shards` must be at most the number of files the pipeline "
+        r"reads \(2\).*Received: virtual_shards=4"),
+    "virtual_shards_batch": Case(
+        "virtual_shards", "16, over a pipeline of `batch(8)` on 16 files",
+        lambda cpus: _sharded_fit(cpus, files=16, virtual_shards=16),
+        ValueError, r"`virtual_shards` must be at most the pipeline's batch "
+        r"size \(8\).*Received: virtual_shards=16"),
+    "virtual_shards_unshardable": Case(
+        "worker_input",
+        "a `from_tensor_slices` pipeline with worker_input='shard'",
+        lambda cpus: _sharded_fit(cpus, ds=_ds(X, Y, batch=8)), ValueError,
+        r"`worker_input='shard'` shards a `tf.data` pipeline by the files "
+        r"it reads.*Received: a pipeline without a file reader or "
+        r"`SHARD_HINT`"),
+    "virtual_shards_shuffle": Case(
+        "shuffle",
+        "a pipeline with `shuffle(4)` (no seed), worker_input='shard'",
+        lambda cpus: _sharded_fit(cpus, shuffle=True), ValueError,
+        r"`worker_input='shard'` needs a `seed` on every `shuffle`.*"
+        r"Received: a pipeline with 1 `shuffle` without a seed"),
+    "virtual_shards_replicate": Case(
+        "virtual_shards", "2 with worker_input='replicate'",
+        lambda cpus: _mirrored(cpus, virtual_shards=2), ValueError,
+        r"`virtual_shards` needs `worker_input='shard'`.*Received: "
+        r"worker_input='replicate'"),
+    "virtual_shards_workers": Case(
+        "virtual_shards", "2 on a cluster of 3 workers",
+        lambda cpus: _worker_input.check_virtual_shards(
+            2, "shard", type("Spec", (), {"num_workers": 3})), ValueError,
+        r"`virtual_shards` must be at least the number of workers \(3\).*"
+        r"Received: virtual_shards=2"),
     "cluster_resolver_task": Case(
         "cluster", "a ClusterResolver without task_type",
         _unassigned_resolver, errors.ClusterConfigError,

@@ -48,6 +48,7 @@ from keras_mirror import _resume
 from keras_mirror import errors
 from keras_mirror.distribute import _homes
 from keras_mirror.distribute import _preemption
+from keras_mirror.distribute import _virtual_shards
 
 _FILE = "step_backup.npz"
 _TMP_SUFFIX = ".tmp.npz"
@@ -131,6 +132,7 @@ class StepBackup(keras.callbacks.Callback):
         arrays.update({f"o{i}": np.asarray(v.numpy())
                        for i, v in enumerate(opt_vars)})
         arrays["position"] = np.array([epoch, step], np.int64)
+        arrays.update(_virtual_shards.backup_arrays(self.model, step))
         temporary = f"{self.path}.{os.getpid()}{_TMP_SUFFIX}"
         try:
             os.makedirs(self.backup_dir, exist_ok=True)
@@ -191,6 +193,8 @@ class StepBackup(keras.callbacks.Callback):
         arrays = self._read()
         variables = self._variables(mirrored)
         self._check(arrays, variables)
+        _virtual_shards.check_backup(mirrored, arrays, self.path,
+                                     int(arrays["position"][1]))
         values = [arrays[f"w{i}"] for i in range(len(variables[0]))] + \
             [arrays[f"o{i}"] for i in range(len(variables[1]))]
         with mirrored.strategy.scope():

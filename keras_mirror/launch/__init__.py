@@ -23,6 +23,9 @@ first word ending in `.py` runs with it. Worker `i` gets:
 - `KERAS_MIRROR_CPUS_PER_WORKER` with `--cpus-per-worker`: the logical
   CPU replicas `import keras_mirror` gives the worker on a host without
   GPUs;
+- `KERAS_MIRROR_VIRTUAL_SHARDS`: `--nproc-per-node` unless set, the
+  default `virtual_shards` of `worker_input="shard"`; an elastic restart
+  on fewer workers keeps it, so the global batches stay the same;
 - `PYTHONUNBUFFERED=1` unless set, so that output streams as it is printed.
 
 Each line a worker prints is copied to the launcher's stdout (or stderr)
@@ -193,9 +196,10 @@ def launch(
                           start_timeout, grace_period, min_workers,
                           cpus_per_worker)
     command = resolve_command(command)
+    env = dict(os.environ if env is None else env)
     if cpus_per_worker is not None:
-        env = dict(os.environ if env is None else env)
         env[CPUS_ENV] = str(cpus_per_worker)
+    env.setdefault(_multi_worker.VIRTUAL_SHARDS_ENV, str(num_workers))
     deadline = None if timeout is None else time.monotonic() + timeout
     in_main = threading.current_thread() is threading.main_thread()
     previous = {}
