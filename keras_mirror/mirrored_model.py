@@ -166,6 +166,7 @@ class MirroredModel(ReplicaAttributes, dispatch.StepDispatch,
             strategy = devices_lib.multi_worker_strategy(spec, resolved, comm)
         original = _rebuild.build_original(model)
         _rebuild.check_weights_exist(original)
+        _rebuild.check_no_foreign_variables(original)
         execution, reason = _execution.pick(
             execution, resolved, spec, own_step.has_custom_step(original),
             _execution.collective_options(bytes_per_pack, communication),
@@ -227,6 +228,7 @@ class MirroredModel(ReplicaAttributes, dispatch.StepDispatch,
 
     # -- Keras training API ------------------------------------------------
 
+    @_rebuild.outside_other_strategies
     def fit(self, x=None, y=None, batch_size=None, epochs=1, verbose="auto",
             callbacks=None, validation_data=None, steps_per_epoch=None,
             **kwargs):
@@ -262,6 +264,7 @@ class MirroredModel(ReplicaAttributes, dispatch.StepDispatch,
                 callbacks=callbacks, validation_data=validation_data,
                 steps_per_epoch=steps_per_epoch, **kwargs)
 
+    @_rebuild.outside_other_strategies
     def evaluate(self, x=None, y=None, batch_size=None, **kwargs):
         """Evaluates as `keras.Model.evaluate`, with exact global metrics."""
         _compile.require_compiled(self, "evaluate")
@@ -272,6 +275,7 @@ class MirroredModel(ReplicaAttributes, dispatch.StepDispatch,
         with self._homes.mirrored():
             return super().evaluate(x, y, batch_size=batch_size, **kwargs)
 
+    @_rebuild.outside_other_strategies
     def predict(self, x, batch_size=None, **kwargs):
         """Predicts as `keras.Model.predict`; rows keep the input order."""
         x, batch_size = _capacity.adapt_input(self, x, batch_size)
@@ -281,6 +285,7 @@ class MirroredModel(ReplicaAttributes, dispatch.StepDispatch,
         with self._homes.mirrored():
             return super().predict(x, batch_size=batch_size, **kwargs)
 
+    @_rebuild.outside_other_strategies
     def train_on_batch(self, x, y=None, sample_weight=None, **kwargs):
         """Runs one exact step on one global batch."""
         _compile.require_compiled(self, "train_on_batch")
@@ -292,6 +297,7 @@ class MirroredModel(ReplicaAttributes, dispatch.StepDispatch,
                 super().train_on_batch, x, y, sample_weight=sample_weight,
                 **kwargs))
 
+    @_rebuild.outside_other_strategies
     def test_on_batch(self, x, y=None, sample_weight=None, **kwargs):
         """Evaluates one global batch exactly."""
         _compile.require_compiled(self, "test_on_batch")
@@ -302,6 +308,7 @@ class MirroredModel(ReplicaAttributes, dispatch.StepDispatch,
             return super().test_on_batch(x, y, sample_weight=sample_weight,
                                          **kwargs)
 
+    @_rebuild.outside_other_strategies
     def predict_on_batch(self, x):
         """Predicts one global batch; rows keep the input order."""
         _capacity.on_batch(self, x)
@@ -354,7 +361,8 @@ class MirroredModel(ReplicaAttributes, dispatch.StepDispatch,
                                 overwrite, **kwargs)
 
     def load_weights(self, filepath, skip_mismatch=False, **kwargs):
-        """Loads `.weights.h5` weights into the wrapped model (all replicas).
+        """Loads `.weights.h5` weights into the wrapped model (all replicas):
+        every shape is checked first, and nothing changes unless all fit.
         """
         filepath = str(filepath)
         if not filepath.endswith(".weights.h5"):
@@ -362,9 +370,7 @@ class MirroredModel(ReplicaAttributes, dispatch.StepDispatch,
                 "`filepath` must end in `.weights.h5`; full models load with "
                 "`keras.saving.load_model(..., safe_mode=True)`. "
                 f"Received: filepath={filepath!r}")
-        saving.check_weights_file(filepath)
-        self._inner.load_weights(filepath, skip_mismatch=skip_mismatch,
-                                 **kwargs)
+        saving.load_weights(self._inner, filepath, skip_mismatch, **kwargs)
 
     def export(self, filepath, format="tf_saved_model", **kwargs):
         """Exports the wrapped model for inference, as `keras.Model.export`.
