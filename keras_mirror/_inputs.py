@@ -187,7 +187,7 @@ def adapt_generator(generator, num_replicas, batch_mode):
         raise ValueError(
             "`x` must yield at least one batch, but the generator is empty. "
             f"Received: x={generator!r}")
-    items = itertools.chain([first], generator)
+    items = _same_shapes(first, itertools.chain([first], generator))
     if batch_mode == "global":
         return None, _peeked(first, items)
     capacity = num_rows(keras.utils.unpack_x_y_sample_weight(first)[0])
@@ -200,6 +200,28 @@ def adapt_generator(generator, num_replicas, batch_mode):
             yield _join(group, num_replicas, capacity)
 
     return capacity, _peeked(first, joined())
+
+
+def _shapes(element):
+    """(structure, each leaf's shape after the rows) of one batch."""
+    leaves = tf.nest.flatten(element)
+    return (tf.nest.map_structure(lambda _: 0, element),
+            [tuple(getattr(t, "shape", ()))[1:] for t in leaves])
+
+
+def _same_shapes(first, items):
+    """`items`, refusing an element shaped unlike the first (rows aside):
+    a traced step would fail on it with an error that names nothing."""
+    expected = _shapes(first)
+    for index, element in enumerate(items):
+        if _shapes(element) != expected:
+            raise ValueError(
+                "Every batch of the generator `x` must have the structure "
+                "and shapes of its first batch (the row count aside): "
+                f"batch {index} differs. Received: a batch of shapes "
+                f"{_shapes(element)[1]} after a first batch of shapes "
+                f"{expected[1]} (rows dropped)")
+        yield element
 
 
 # Generators whose first element was read ahead -> that element.

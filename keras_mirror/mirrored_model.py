@@ -235,7 +235,7 @@ class MirroredModel(ReplicaAttributes, dispatch.StepDispatch,
         """Trains as `keras.Model.fit`, with the input split per replica."""
         _compile.require_compiled(self, "fit")
         _validate.check_fit_inputs(self, x, y, batch_size, steps_per_epoch,
-                                   kwargs.get("sample_weight"))
+                                   kwargs, epochs, callbacks)
         x, batch_size = _capacity.adapt_input(self, x, batch_size)
         if validation_data is not None and isinstance(
                 validation_data, (tf.data.Dataset, keras.utils.PyDataset)):
@@ -270,7 +270,8 @@ class MirroredModel(ReplicaAttributes, dispatch.StepDispatch,
         _compile.require_compiled(self, "evaluate")
         if not kwargs.get("_use_cached_eval_dataset"):
             x, batch_size = _capacity.adapt_input(self, x, batch_size)
-            _validate.check_inputs(self, x, y, kwargs.get("sample_weight"))
+            _validate.check_inputs(self, x, y, kwargs.get("sample_weight"),
+                                   batch_size=batch_size)
             _compile.ensure_built(self, x, y, kwargs.get("sample_weight"))
         with self._homes.mirrored():
             return super().evaluate(x, y, batch_size=batch_size, **kwargs)
@@ -278,6 +279,7 @@ class MirroredModel(ReplicaAttributes, dispatch.StepDispatch,
     @_rebuild.outside_other_strategies
     def predict(self, x, batch_size=None, **kwargs):
         """Predicts as `keras.Model.predict`; rows keep the input order."""
+        _validate.check_predict_inputs(x, batch_size)
         x, batch_size = _capacity.adapt_input(self, x, batch_size)
         if not self._inner.built:
             _rebuild.build_from_batch(self._inner, _inputs.first_x(x))
