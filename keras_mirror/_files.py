@@ -37,9 +37,10 @@ def write_atomically(save, filepath, overwrite=True, **kwargs):
         os.path.splitext(base)[1]
     prefix = f".{base}."
     for name in os.listdir(directory):
-        if name.startswith(prefix) and name.endswith(
-                (".tmp" + extension, _SCRATCH)):
+        if name.startswith(prefix) and name.endswith(".tmp" + extension):
             _remove_quietly(os.path.join(directory, name))
+        elif name.startswith(prefix) and name.endswith(_SCRATCH):
+            shutil.rmtree(os.path.join(directory, name), ignore_errors=True)
     temporary = os.path.join(directory,
                              f"{prefix}{os.getpid()}.tmp{extension}")
     try:
@@ -50,8 +51,9 @@ def write_atomically(save, filepath, overwrite=True, **kwargs):
         os.replace(temporary, path)
     except OSError as e:
         _remove_quietly(temporary)
+        reason = os.strerror(e.errno) if e.errno else str(e)
         raise OSError(e.errno, (
-            f"Could not write `filepath` ({e.strerror or e}); the file "
+            f"Could not write `filepath` ({reason}); the file "
             "keeps its previous content, if any. Free space or save "
             f"elsewhere. Received: filepath={os.fspath(filepath)!r}"
         )) from e
