@@ -15,10 +15,11 @@ import numpy as np
 import tensorflow as tf
 
 from keras_mirror import split
+from keras_mirror.steps import _slicing
 
 
 def is_array(x):
-    return all(isinstance(t, (np.ndarray, tf.Tensor))
+    return all(isinstance(t, (np.ndarray, tf.Tensor, tf.SparseTensor))
                for t in tf.nest.flatten(x) if t is not None) and x is not None
 
 
@@ -80,7 +81,8 @@ def first_batch(x, y=None, sample_weight=None):
         return keras.utils.unpack_x_y_sample_weight(_FIRST[x])
     if x is not None and is_array(x):
         return tf.nest.map_structure(
-            lambda t: None if t is None else t[:1], (x, y, sample_weight))
+            lambda t: None if t is None else _slicing.head(t, 1),
+            (x, y, sample_weight))
     return None
 
 

@@ -19,6 +19,7 @@ from keras_mirror.replica_context import ReplicaContext
 from keras_mirror.replica_context import activate
 from keras_mirror.steps import _reductions
 from keras_mirror.steps import _scope
+from keras_mirror.steps import _slicing
 from keras_mirror.steps import arithmetic
 
 
@@ -38,9 +39,7 @@ class ReplicaSteps:
         def shard(ctx):
             r = ctx.replica_id_in_sync_group
             return tf.nest.map_structure(
-                lambda t: arithmetic.dynamic_rows(
-                    t[offsets[r]:offsets[r] + sizes[r]]),
-                data)
+                lambda t: _slicing.rows(t, offsets[r], sizes[r]), data)
 
         return self._strategy.experimental_distribute_values_from_function(
             shard)
@@ -71,8 +70,8 @@ class ReplicaSteps:
         for r, device in enumerate(self._devices):
             with tf.device(device):
                 shards.append(tf.nest.map_structure(
-                    lambda t, r=r: arithmetic.dynamic_rows(
-                        t[offsets[r]:offsets[r] + sizes[r]]), data))
+                    lambda t, r=r: _slicing.rows(t, offsets[r], sizes[r]),
+                    data))
         return shards
 
     @staticmethod
