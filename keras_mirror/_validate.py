@@ -327,6 +327,7 @@ def check_inputs(mirrored, x, y=None, sample_weight=None, name="x",
     model = mirrored.model
     if getattr(model, "built", False):
         _check_input_structure(model, batch[0], name)
+        _inputs.expect_input_shapes(x, _expected_inputs(model))
 
 
 def check_more_fit_inputs(mirrored, x, validation_data, kwargs):

@@ -196,15 +196,15 @@ REFUSALS = {
         "x", "a generator of (2, 3) batches, then a (2, 4) one",
         lambda m, y: m.fit(_generator(3, 3, 4, 3), verbose=0),
         tf.errors.InvalidArgumentError,
-        r"Every batch of the generator `x` must have the structure and "
-        r"shapes of its first batch .*batch 2 differs\. Received: a batch "
-        r"of shapes \[\(4,\), \(1,\)\] after a first batch of shapes "
-        r"\[\(3,\), \(1,\)\]", untouched=False),
+        r"Every batch of the generator `x` must have the shape \(None, 3\) "
+        r"\(None: any size\) of the model's input: batch 2 differs\. "
+        r"Received: x.shape=\(2, 4\) in batch 2", untouched=False),
     "per_replica_generator_features": Refusal(
         "x", "a per_replica generator alternating 3 and 4 features",
         lambda m, y: m.fit(_generator(*[3, 4] * 4), verbose=0), ValueError,
-        r"Every batch of the generator `x` .*batch 1 differs\. Received: "
-        r"a batch of shapes \[\(4,\), \(1,\)\]", "per_replica"),
+        r"Every batch of the generator `x` must have the shape \(None, 3\) "
+        r".*batch 1 differs\. Received: x.shape=\(2, 4\) in batch 1",
+        "per_replica"),
     "steps_per_execution_zero": Refusal(
         "steps_per_execution", "0",
         lambda m, y: m.compile(optimizer="adam", loss="mse",
@@ -272,6 +272,46 @@ def test_model_built_under_another_strategy_is_refused(cpus):
             r"\(MirroredVariable\).*Received: model='sequential.*' with "
             r"MirroredVariables")):
         keras_mirror.MirroredModel(model, cpus)
+
+
+def test_generator_may_vary_what_the_model_leaves_open(cpus):
+    """Sequences of varying length fit an input of shape (None, None, 2)."""
+    keras.utils.set_random_seed(0)
+    model = keras.Sequential([keras.Input((None, 2)),
+                              keras.layers.GlobalAveragePooling1D(),
+                              keras.layers.Dense(1)])
+    mirrored = keras_mirror.MirroredModel(model, cpus)
+    mirrored.compile(optimizer="sgd", loss="mse")
+    mirrored.fit(_sequences(), verbose=0)
+    plain = keras.Sequential([keras.Input((None, 2)),
+                              keras.layers.GlobalAveragePooling1D(),
+                              keras.layers.Dense(1)])
+    plain.compile(optimizer="sgd", loss="mse")
+    plain.fit(_sequences(), verbose=0)
+    assert int(mirrored.optimizer.iterations.numpy()) == int(
+        plain.optimizer.iterations.numpy())
+
+
+def _sequences():
+    return ((np.ones((4, t, 2), "float32"), Y[:4]) for t in (3, 5, 2))
+
+
+def test_per_replica_groups_of_different_shapes_are_named(cpus):
+    keras.utils.set_random_seed(0)
+    model = keras.Sequential([keras.Input((None, 2)),
+                              keras.layers.GlobalAveragePooling1D(),
+                              keras.layers.Dense(1)])
+    mirrored = keras_mirror.MirroredModel(model, cpus, batch="per_replica")
+    mirrored.compile(optimizer="sgd", loss="mse")
+    batches = ((np.ones((1, t, 2), "float32"), Y[:1])
+               for t in (3, 3, 3, 4))
+    with pytest.raises(ValueError, match=(
+            r"`batch='per_replica'` joins each group of 4 consecutive "
+            r"batches of the generator `x` into one global batch, so they "
+            r"must have the same shapes apart from the rows\. Received: a "
+            r"group of batches of shapes \[\[\(3, 2\), \(1,\)\], .*"
+            r"\[\(4, 2\), \(1,\)\]\]")):
+        mirrored.fit(batches, verbose=0)
 
 
 def test_labels_in_range_and_integer_weights_are_accepted(cpus):
