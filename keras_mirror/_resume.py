@@ -28,6 +28,7 @@ import numpy as np
 import tensorflow as tf
 
 from keras_mirror import _inputs
+from keras_mirror.steps import _slicing
 
 Segment = collections.namedtuple(
     "Segment", ["skip", "first_epoch", "end_epoch", "steps_per_epoch"])
@@ -49,7 +50,7 @@ def split_validation(x, y, kwargs):
 
     def cut(t, start, end):
         return None if t is None else tf.nest.map_structure(
-            lambda a: a[start:end], t)
+            lambda a: _slicing.between(a, start, end), t)
 
     train = [cut(t, 0, at) for t in (x, y, weights)]
     kwargs["validation_data"] = tuple(cut(t, at, rows)
@@ -179,7 +180,7 @@ def skip(x, y, kwargs, batches, batch_size):
 
     def cut(t):
         return None if t is None else tf.nest.map_structure(
-            lambda a: a[rows:], t)
+            lambda a: _slicing.between(a, rows), t)
 
     if kwargs.get("sample_weight") is not None:
         kwargs["sample_weight"] = cut(kwargs["sample_weight"])

@@ -61,3 +61,38 @@ def test_sparse_dataset_trains_as_on_one_device(cpus):
     keras_mirror.MirroredModel(model, devices=cpus).fit(dataset, epochs=2,
                                                         verbose=0)
     assert max_diff(reference.get_weights(), model.get_weights()) < 1e-5
+
+
+class _Crash(Exception):
+    pass
+
+
+class _CrashAfter(keras.callbacks.Callback):
+    def __init__(self, steps):
+        super().__init__()
+        self.steps, self.seen = steps, 0
+
+    def on_train_batch_end(self, batch, logs=None):
+        self.seen += 1
+        if self.seen == self.steps:
+            raise _Crash()
+
+
+def test_sparse_arrays_resume_mid_epoch_from_a_step_backup(cpus, tmp_path):
+    x, y = _data(11)
+    kwargs = dict(batch_size=3, epochs=2, shuffle=False, verbose=0,
+                  validation_split=0.2)
+    reference = _model()
+    reference.fit(x, y, **kwargs)
+    model = _model()
+    mirrored = keras_mirror.MirroredModel(model, devices=cpus)
+    with pytest.raises(_Crash):
+        mirrored.fit(x, y, callbacks=[keras_mirror.StepBackup(tmp_path),
+                                      _CrashAfter(2)], **kwargs)
+    resumed = keras_mirror.MirroredModel(_model(), devices=cpus)
+    resumed.fit(x, y, callbacks=[keras_mirror.StepBackup(tmp_path)],
+                **kwargs)
+    assert int(resumed.optimizer.iterations.numpy()) == int(
+        reference.optimizer.iterations.numpy())
+    assert max_diff(reference.get_weights(),
+                    resumed.model.get_weights()) < 1e-5

@@ -33,6 +33,14 @@ def _sparse_rows(t, start, size):
     return shard
 
 
+def between(t, start, stop=None):
+    """Rows `start ... stop - 1` of an eager leaf (NumPy arrays too)."""
+    if isinstance(t, tf.SparseTensor):
+        stop = int(t.dense_shape[0]) if stop is None else stop
+        return _sparse_rows(t, start, stop - start)
+    return t[start:stop]
+
+
 def head(t, size):
     """The first `size` rows of an eager leaf (NumPy arrays too), as a
     batch to build a model from."""
