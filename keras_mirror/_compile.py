@@ -14,6 +14,7 @@ import warnings
 import keras
 import tensorflow as tf
 
+from keras_mirror import _arguments
 from keras_mirror import _compat
 from keras_mirror import _inputs
 from keras_mirror import _rebuild
@@ -30,6 +31,7 @@ def compile(mirrored, *args, **kwargs):
         raise ValueError(
             "`jit_compile=True` is not supported: XLA cannot compile a "
             "tf.distribute replica step. Received: jit_compile=True")
+    _arguments.check_steps_per_execution(kwargs)
     if not mirrored._custom_step:
         check_reductions(kwargs.get("loss", args[1] if len(args) > 1
                                     else None))

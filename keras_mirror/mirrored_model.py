@@ -175,6 +175,7 @@ class MirroredModel(ReplicaAttributes, dispatch.StepDispatch,
         original = _rebuild.build_original(model)
         _rebuild.check_weights_exist(original)
         _rebuild.check_not_stateful(original, len(resolved), spec)
+        _rebuild.check_no_foreign_variables(original)
         execution, reason = _execution.pick(
             execution, resolved, spec, own_step.has_custom_step(original),
             _execution.collective_options(bytes_per_pack, communication),
@@ -237,6 +238,7 @@ class MirroredModel(ReplicaAttributes, dispatch.StepDispatch,
 
     # -- Keras training API ------------------------------------------------
 
+    @_rebuild.outside_other_strategies
     def fit(self, x=None, y=None, batch_size=None, epochs=1, verbose="auto",
             callbacks=None, validation_data=None, steps_per_epoch=None,
             **kwargs):
@@ -245,7 +247,7 @@ class MirroredModel(ReplicaAttributes, dispatch.StepDispatch,
         _compile.require_compiled(self, "fit")
         x = _worker_input.virtual_input(self, x, y, batch_size)
         _validate.check_fit_inputs(self, x, y, batch_size, steps_per_epoch,
-                                   kwargs.get("sample_weight"))
+                                   kwargs, epochs, callbacks)
         x, batch_size = _capacity.adapt_input(self, x, batch_size)
         if validation_data is not None and isinstance(
                 validation_data, (tf.data.Dataset, keras.utils.PyDataset)):
@@ -274,20 +276,24 @@ class MirroredModel(ReplicaAttributes, dispatch.StepDispatch,
                 callbacks=callbacks, validation_data=validation_data,
                 steps_per_epoch=steps_per_epoch, **kwargs)
 
+    @_rebuild.outside_other_strategies
     def evaluate(self, x=None, y=None, batch_size=None, **kwargs):
         """Evaluates as `keras.Model.evaluate`, with exact global metrics."""
         _compile.follow(self)
         _compile.require_compiled(self, "evaluate")
         if not kwargs.get("_use_cached_eval_dataset"):
             x, batch_size = _capacity.adapt_input(self, x, batch_size)
-            _validate.check_inputs(self, x, y, kwargs.get("sample_weight"))
+            _validate.check_inputs(self, x, y, kwargs.get("sample_weight"),
+                                   batch_size=batch_size)
             _compile.ensure_built(self, x, y, kwargs.get("sample_weight"))
         with self._homes.mirrored():
             return super().evaluate(x, y, batch_size=batch_size, **kwargs)
 
+    @_rebuild.outside_other_strategies
     def predict(self, x, batch_size=None, **kwargs):
         """Predicts as `keras.Model.predict`; rows keep the input order."""
         _compile.follow(self)
+        _validate.check_predict_inputs(x, batch_size)
         x, batch_size = _capacity.adapt_input(self, x, batch_size)
         if not self._inner.built:
             _rebuild.build_from_batch(self._inner, _inputs.first_x(x))
@@ -295,6 +301,7 @@ class MirroredModel(ReplicaAttributes, dispatch.StepDispatch,
         with self._homes.mirrored():
             return super().predict(x, batch_size=batch_size, **kwargs)
 
+    @_rebuild.outside_other_strategies
     def train_on_batch(self, x, y=None, sample_weight=None, **kwargs):
         """Runs one exact step on one global batch."""
         _compile.follow(self)
@@ -307,6 +314,7 @@ class MirroredModel(ReplicaAttributes, dispatch.StepDispatch,
                 super().train_on_batch, x, y, sample_weight=sample_weight,
                 **kwargs))
 
+    @_rebuild.outside_other_strategies
     def test_on_batch(self, x, y=None, sample_weight=None, **kwargs):
         """Evaluates one global batch exactly."""
         _compile.follow(self)
@@ -318,6 +326,7 @@ class MirroredModel(ReplicaAttributes, dispatch.StepDispatch,
             return super().test_on_batch(x, y, sample_weight=sample_weight,
                                          **kwargs)
 
+    @_rebuild.outside_other_strategies
     def predict_on_batch(self, x):
         """Predicts one global batch; rows keep the input order."""
         _compile.follow(self)
@@ -371,7 +380,8 @@ class MirroredModel(ReplicaAttributes, dispatch.StepDispatch,
                                 overwrite, **kwargs)
 
     def load_weights(self, filepath, skip_mismatch=False, **kwargs):
-        """Loads `.weights.h5` weights into the wrapped model (all replicas).
+        """Loads `.weights.h5` weights into the wrapped model (all replicas):
+        every shape is checked first, and nothing changes unless all fit.
         """
         filepath = str(filepath)
         if not filepath.endswith(".weights.h5"):
@@ -379,9 +389,7 @@ class MirroredModel(ReplicaAttributes, dispatch.StepDispatch,
                 "`filepath` must end in `.weights.h5`; full models load with "
                 "`keras.saving.load_model(..., safe_mode=True)`. "
                 f"Received: filepath={filepath!r}")
-        saving.check_weights_file(filepath)
-        self._inner.load_weights(filepath, skip_mismatch=skip_mismatch,
-                                 **kwargs)
+        saving.load_weights(self._inner, filepath, skip_mismatch, **kwargs)
 
     def export(self, filepath, format="tf_saved_model", **kwargs):
         """Exports the wrapped model for inference, as `keras.Model.export`.

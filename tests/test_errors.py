@@ -20,12 +20,15 @@ import numpy as np
 import pytest
 import tensorflow as tf
 from helpers import own_step_model
+from test_error_paths import REFUSALS
+from test_error_paths import trained
 
 import keras_mirror
 from keras_mirror import cluster
 from keras_mirror import errors
 from keras_mirror import launch
 from keras_mirror import saving
+from keras_mirror.callbacks.step_backup import StepBackup
 from keras_mirror.distribute import _worker_input
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
@@ -723,6 +726,70 @@ CASES = {
 }
 
 
+# -- issue 23: hostile files and impossible backups ------------------------
+
+def _traversal_keras():
+    path = _saved_keras()
+    with zipfile.ZipFile(path, "a") as archive:
+        archive.writestr("assets/../../../../x/e.txt", "escaped")
+    return path
+
+
+def _partial_weights(cpus):
+    mirrored, _ = trained(cpus)
+    keras.Sequential([keras.Input((3,)), keras.layers.Dense(4),
+                      keras.layers.Dense(2)]).save_weights("w.weights.h5")
+    mirrored.load_weights("w.weights.h5")
+
+
+def _impossible_backup(cpus):
+    mirrored, _ = trained(cpus)
+    writer = StepBackup("backup")
+    writer.set_model(mirrored)
+    writer.save(-1, 3)
+    mirrored.fit(X, Y, batch_size=2, epochs=2, verbose=0, shuffle=False,
+                 callbacks=[StepBackup("backup")])
+
+
+def _built_in_other_strategy(cpus):
+    with tf.distribute.MirroredStrategy(cpus[:2]).scope():
+        model = _seq()
+    keras_mirror.MirroredModel(model, cpus)
+
+
+def _refusal(refusal):
+    return lambda cpus: refusal.make(*trained(cpus, refusal.kind))
+
+
+CASES.update({
+    "load_model_path_traversal": Case(
+        "filepath", "a `.keras` archive with a member "
+        "'assets/../../../../x/e.txt'", lambda cpus: saving.load_model(
+            _traversal_keras()), errors.UnsafeModelError,
+        r"`filepath` holds the archive member 'assets/../../../../x/e.txt', "
+        r"whose name leaves the archive.*Received: filepath='m.keras'"),
+    "load_weights_partial_mismatch": Case(
+        "filepath", "weights whose first layer fits and second does not",
+        _partial_weights, ValueError,
+        r"`filepath` holds weights that do not fit this model: .* has shape "
+        r"\(4, 2\) in the file and \(4, 1\) in the model\. Nothing was "
+        r"loaded\..*Received: filepath='w.weights.h5'"),
+    "step_backup_position": Case(
+        "backup_dir", "a backup at position [-1, 3]", _impossible_backup,
+        errors.StepBackupError,
+        r"The step backup 'backup/step_backup.npz' holds the position "
+        r"\[-1, 3\] \(epoch, step\), which this run cannot reach: the "
+        r"epoch must be in \[0, 2\].*Received: backup_dir='backup'"),
+    "model_built_in_other_strategy": Case(
+        "model", "built inside MirroredStrategy.scope()",
+        _built_in_other_strategy, errors.StrategyScopeError,
+        r"`model` must be built outside any `tf.distribute` strategy.*"
+        r"Received: model='sequential.*' with MirroredVariables"),
+})
+CASES.update({name: Case(r.argument, r.value, _refusal(r), r.error, r.match)
+              for name, r in REFUSALS.items()})
+
+
 def _built_by_build():
     model = own_step_model()
     with warnings.catch_warnings():
@@ -763,6 +830,7 @@ def test_docs_table_lists_every_case():
 
 def test_errors_subclass_builtins():
     assert issubclass(errors.DeviceError, ValueError)
+    assert issubclass(errors.StrategyScopeError, ValueError)
     assert issubclass(errors.UnsafeModelError, ValueError)
     assert issubclass(errors.NonFiniteError, FloatingPointError)
     assert issubclass(errors.ClusterConfigError, ValueError)

@@ -46,6 +46,7 @@ import numpy as np
 
 from keras_mirror import _resume
 from keras_mirror import errors
+from keras_mirror import saving
 from keras_mirror.distribute import _homes
 from keras_mirror.distribute import _preemption
 from keras_mirror.distribute import _virtual_shards
@@ -120,9 +121,10 @@ class StepBackup(keras.callbacks.Callback):
     def save(self, epoch, step):
         """Writes the state after `step` batches of `epoch` (chief only).
 
-        Atomic: a temporary file in the backup directory, renamed over the
-        backup, so that a kill at any moment leaves the previous backup or
-        the new one.
+        Atomic and durable: a temporary file in the backup directory,
+        synced to disk (`fsync`), renamed over the backup, then the
+        directory synced, so that a kill or a power cut at any moment
+        leaves the previous backup or the new one.
         """
         if not self._is_chief():
             return
@@ -136,11 +138,15 @@ class StepBackup(keras.callbacks.Callback):
         temporary = f"{self.path}.{os.getpid()}{_TMP_SUFFIX}"
         try:
             os.makedirs(self.backup_dir, exist_ok=True)
-            np.savez(temporary, **arrays)
+            with open(temporary, "wb") as f:
+                np.savez(f, **arrays)
+                f.flush()
+                os.fsync(f.fileno())
             os.replace(temporary, self.path)
         except OSError as e:
             _remove_quietly(temporary)
             raise self._directory_error(e) from e
+        saving.fsync(self.backup_dir)  # the rename itself
 
     def _read(self):
         """The backup's arrays by key; StepBackupError if unreadable."""
@@ -188,6 +194,13 @@ class StepBackup(keras.callbacks.Callback):
         Reads and checks the whole backup before assigning any variable: a
         backup that is unreadable or does not fit changes nothing.
         """
+        checked = self._read_checked(mirrored)
+        if checked is None:
+            return None
+        return self._assign(mirrored, *checked)
+
+    def _read_checked(self, mirrored):
+        """(arrays, variables) of a backup that fits, or None if absent."""
         if not os.path.exists(self.path):
             return None
         arrays = self._read()
@@ -195,12 +208,23 @@ class StepBackup(keras.callbacks.Callback):
         self._check(arrays, variables)
         _virtual_shards.check_backup(mirrored, arrays, self.path,
                                      int(arrays["position"][1]))
+        return arrays, variables
+
+    def _assign(self, mirrored, arrays, variables):
         values = [arrays[f"w{i}"] for i in range(len(variables[0]))] + \
             [arrays[f"o{i}"] for i in range(len(variables[1]))]
         with mirrored.strategy.scope():
             for v, value in zip(variables[0] + variables[1], values):
                 v.assign(value)
         return tuple(int(v) for v in arrays["position"])
+
+    def _impossible(self, position, why):
+        return errors.StepBackupError(
+            f"The step backup {self.path!r} holds the position "
+            f"{np.asarray(position).tolist()!r} (epoch, step), which this "
+            f"run cannot reach: {why}. Nothing was restored. Delete it (or "
+            "pass another `backup_dir`) to train from the start. "
+            f"Received: backup_dir={self.backup_dir!r}")
 
     # -- the directory -----------------------------------------------------
 
@@ -211,11 +235,12 @@ class StepBackup(keras.callbacks.Callback):
             "`backup_dir` with free space for one backup. "
             f"Received: backup_dir={self.backup_dir!r}")
 
-    def check_directory(self):
+    def check_directory(self, mirrored=None):
         """Creates the directory, removes stale temporary files of killed
         writers, writes a probe file and checks that one backup fits in the
         free space (chief only)."""
-        if not self._is_chief():
+        mirrored = self.model if mirrored is None else mirrored
+        if not getattr(mirrored, "is_chief", True):
             return
         probe = os.path.join(self.backup_dir,
                              f".probe.{os.getpid()}{_TMP_SUFFIX}")
@@ -229,15 +254,15 @@ class StepBackup(keras.callbacks.Callback):
                 f.write(b"\0")
                 f.flush()
                 os.fsync(f.fileno())
-            self._check_free_space()
+            self._check_free_space(mirrored)
         except OSError as e:
             raise self._directory_error(e) from e
         finally:
             _remove_quietly(probe)
 
-    def _check_free_space(self):
+    def _check_free_space(self, mirrored):
         needed = sum(v.numpy().nbytes for group in self._variables(
-            self.model) for v in group)
+            mirrored) for v in group)
         stat = os.statvfs(self.backup_dir)
         free = stat.f_bavail * stat.f_frsize
         if free < needed:
@@ -280,16 +305,25 @@ class StepBackup(keras.callbacks.Callback):
                    steps_per_epoch, kwargs, steps=None):
         """Runs `fit` from the backup's position, on the batches an
         uninterrupted run would read from there (see `_resume`)."""
-        self._checked = False
-        position = self.load(mirrored)
+        # The directory and the whole backup are checked before anything
+        # is assigned: a refusal leaves the model and optimizer as they were.
+        self.check_directory(mirrored)
+        self._checked = True
+        checked = self._read_checked(mirrored)
         kwargs = dict(kwargs)
         initial_epoch = kwargs.pop("initial_epoch", 0)
-        if position is None:
+        if checked is None:
             return fit(x, y, batch_size=batch_size, epochs=epochs,
                        steps_per_epoch=steps_per_epoch,
                        initial_epoch=initial_epoch, **kwargs)
         x, y, kwargs = _resume.split_validation(x, y, kwargs)
         batches = _resume.num_batches(x, batch_size)
+        why = _resume.impossible_position(
+            checked[0]["position"], epochs, initial_epoch, steps_per_epoch,
+            batches)
+        if why:
+            raise self._impossible(checked[0]["position"], why)
+        position = self._assign(mirrored, *checked)
         segments = _resume.plan(position, epochs, initial_epoch,
                                 steps_per_epoch, batches)
         print(f"keras-mirror: StepBackup resumes at epoch {position[0]}, "
@@ -297,7 +331,7 @@ class StepBackup(keras.callbacks.Callback):
               f"{_iterations(mirrored)}).", flush=True)
         history = None
         for i, segment in enumerate(segments):
-            history = _merge(history, self._run_segment(
+            history = _resume.merge(history, self._run_segment(
                 fit, segment, x, y, batch_size, kwargs, position,
                 last=i == len(segments) - 1))
         if history is None:  # the backup is of a finished run
@@ -329,16 +363,6 @@ def _iterations(mirrored):
         if optimizer is not None:
             return int(optimizer.iterations.numpy())
     return 0
-
-
-def _merge(before, after):
-    """One `History` of consecutive `fit` calls."""
-    if before is None:
-        return after
-    for k, v in before.history.items():
-        after.history[k] = list(v) + list(after.history.get(k, []))
-    after.epoch = list(before.epoch) + list(after.epoch)
-    return after
 
 
 def _unique(variables):

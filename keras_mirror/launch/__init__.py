@@ -56,7 +56,12 @@ any number of workers (a step does not depend on the replica count).
 The launcher's death. SIGTERM, SIGHUP and Ctrl-C stop every worker before
 the launcher exits with `128 + signal`. A launcher killed outright
 (SIGKILL) cannot clean up: each worker asks Linux for SIGKILL when its
-parent dies (`PR_SET_PDEATHSIG`), so none is left running.
+parent dies (`PR_SET_PDEATHSIG`), and a small guard process per attempt,
+outside the workers' process groups, sees the launcher's end (its stdin
+closes) and SIGKILLs every worker's process group, with the processes the
+workers started (a data loader's helpers, `subprocess.Popen`), then
+removes the attempt's `keras-mirror-ready-*` folder. A process that left
+its worker's group (`setsid`) is out of reach.
 
 Readiness. A worker is ready once it has created the file named by
 `KERAS_MIRROR_READY_FILE`, which `keras_mirror.init()` (run by

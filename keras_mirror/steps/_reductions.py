@@ -24,6 +24,7 @@ import tensorflow as tf
 
 from keras_mirror import _compat
 from keras_mirror import errors
+from keras_mirror.steps import _slicing
 
 MEAN, SUM = "mean", "sum"
 _RTOL = 1e-4
@@ -71,8 +72,7 @@ class Reductions:
 
 def _twice(structure):
     return tf.nest.map_structure(
-        lambda t: None if t is None else tf.concat(
-            [tf.convert_to_tensor(t)] * 2, axis=0), structure)
+        lambda t: None if t is None else _slicing.twice(t), structure)
 
 
 def compute_loss(model, x, y, y_pred, sample_weight, training):

@@ -150,7 +150,10 @@ def _gather_slices(parts, wire, device):
         joined = tf.concat(values, axis=0) if len(values) > 1 else values[0]
         indices = tf.concat([p.indices for p in parts], axis=0)
         statics = {_sparse.static_rows(p) for p in parts}
-        if len(parts) > 1 and len(statics) == 1:
+        if len(parts) > 1 and all(_sparse.from_unique(p.indices)
+                                  for p in parts):
+            joined, indices = _sparse.join(joined, indices, None, None, True)
+        elif len(parts) > 1 and len(statics) == 1:
             lengths = tf.stack([tf.shape(p.indices)[0] for p in parts])
             joined, indices = _sparse.join(joined, indices, lengths,
                                            statics.pop())
