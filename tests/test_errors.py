@@ -212,6 +212,20 @@ def _builtins_eval_keras():
     return _keras_with_config(json.dumps(config))
 
 
+def _stateful(cpus):
+    keras_mirror.MirroredModel(keras.Sequential([
+        keras.Input((5, 3), batch_size=8),
+        keras.layers.LSTM(2, stateful=True, name="lstm")]), devices=cpus)
+
+
+def _optimizer_replaced(cpus):
+    model = _seq()
+    model.compile(optimizer="sgd", loss="mse")
+    mirrored = keras_mirror.MirroredModel(model, devices=cpus)
+    model.optimizer = keras.optimizers.Adam()
+    mirrored.fit(X, Y, verbose=0)
+
+
 def _in_scope(cpus):
     with tf.distribute.OneDeviceStrategy(cpus[0]).scope():
         keras_mirror.MirroredModel(_seq(), cpus)
@@ -717,6 +731,15 @@ CASES = {
         errors.ModelFileError, r"`filepath` must be a complete "
         r"`.weights.h5` file, but it cannot be opened .*it is empty, "
         r"truncated or corrupt.*Received: filepath='w.weights.h5'"),
+    "stateful_rnn": Case(
+        "stateful", "LSTM(stateful=True) over 4 replicas", _stateful,
+        ValueError, r"cannot split a stateful RNN over 4 replicas.*"
+        r"Received: model with stateful layers \['lstm'\] and 4 replicas"),
+    "optimizer_replaced": Case(
+        "optimizer", "model.optimizer = Adam() after compile, no recompile",
+        _optimizer_replaced,
+        ValueError, r"The wrapped model's `optimizer` was replaced after it "
+        r"was compiled.*Received: model.optimizer="),
     "created_in_strategy_scope": Case(
         "MirroredModel", "created inside OneDeviceStrategy.scope()",
         _in_scope,
