@@ -9,6 +9,8 @@ them for the replicas and compiles the wrapper itself as a shell that Keras's
 `train_step`, gets a step counter) and reports the model's metrics.
 """
 
+import warnings
+
 import keras
 import tensorflow as tf
 
@@ -16,7 +18,6 @@ from keras_mirror import _compat
 from keras_mirror import _inputs
 from keras_mirror import _rebuild
 from keras_mirror.distribute import _homes
-from keras_mirror.steps import _reductions
 from keras_mirror.steps import own_step
 
 EXACT_REDUCTIONS = ("sum_over_batch_size", "mean")
@@ -24,10 +25,6 @@ EXACT_REDUCTIONS = ("sum_over_batch_size", "mean")
 
 def compile(mirrored, *args, **kwargs):
     """`MirroredModel.compile`: the model's own `compile`, then `adopt`."""
-    if kwargs.get("jit_compile") is True:
-        raise ValueError(
-            "`jit_compile=True` is not supported: XLA cannot compile a "
-            "tf.distribute replica step. Received: jit_compile=True")
     if not mirrored._custom_step:
         check_reductions(kwargs.get("loss", args[1] if len(args) > 1
                                     else None))
@@ -39,6 +36,7 @@ def adopt(mirrored):
     """Prepares a compiled model's optimizers and compiles the wrapper."""
     inner = mirrored._inner
     custom = mirrored._custom_step
+    warn_without_xla(inner)
     if not custom:
         check_reductions(getattr(inner, "loss", None))
     for optimizer in _homes.optimizers_of(inner):
@@ -80,9 +78,6 @@ def build(mirrored, batch):
             # An optimizer of a model's own step may update any subset of
             # the variables; built on all of them, it can.
             optimizer.build(variables)
-    if not mirrored._custom_step and getattr(mirrored, "_reductions",
-                                             None) is None:
-        mirrored._reductions = _reductions.probe(inner, batch)
 
 
 def ensure_built(mirrored, x, y=None, sample_weight=None):
@@ -108,6 +103,18 @@ def ensure_built(mirrored, x, y=None, sample_weight=None):
     build(mirrored, batch)
     mirrored.built = True
     mirrored._homes.refresh()
+
+
+def warn_without_xla(model):
+    """Warns that a model compiled with `jit_compile=True` runs without XLA.
+    """
+    if getattr(model, "jit_compile", False) is True:
+        warnings.warn(
+            "The model was compiled with `jit_compile=True`, but "
+            "keras-mirror runs its replica steps without XLA: the wrapped "
+            "model trains exactly, and more slowly than an XLA-compiled "
+            "step on one device. Received: jit_compile=True",
+            UserWarning, stacklevel=4)
 
 
 def require_compiled(mirrored, method):

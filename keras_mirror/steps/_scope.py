@@ -16,8 +16,10 @@ def replica_scope(mirrored):
       loss and keras-mirror weights it;
     - `keras.random` draws give one device's numbers (`_random`);
     - mean metrics updated inside a replica weigh it as one device would
-      (`_metric_weights`).
+      (`_metric_weights`), an output's loss that is a batch sum as a sum.
     """
+    reductions = getattr(mirrored, "_reductions", None)
+    sums = reductions.sum_trackers(mirrored._inner) if reductions else ()
     with _compat.unscaled_losses(), _random.exact_draws(), \
-            _metric_weights.replica_weights(mirrored._inner):
+            _metric_weights.replica_weights(mirrored._inner, sums):
         yield

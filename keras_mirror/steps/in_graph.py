@@ -71,13 +71,10 @@ def _loss(mirrored, x, y, y_pred, sw, training):
 
 
 def _contribution(mirrored, shard_loss, extras, count, total, first):
-    """`arithmetic.contribution`, with the batch-sum terms weighted 1."""
-    reductions = getattr(mirrored, "_reductions", None)
-    summed = (reductions.sum_terms(shard_loss, extras)
-              if reductions is not None else 0.0)
-    return arithmetic.contribution(
-        shard_loss - summed, arithmetic.weight_regularization(mirrored._inner),
-        count, total, first) + summed
+    """`arithmetic.contribution`, each term by its kind (`_reductions`)."""
+    return _reductions.weighted(
+        getattr(mirrored, "_reductions", None), mirrored._inner, shard_loss,
+        extras, count, total, first)
 
 
 def _concat(parts, masks=None):

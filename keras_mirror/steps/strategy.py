@@ -115,14 +115,11 @@ class ReplicaSteps:
         return self._contribution(shard, count, total, first), shard
 
     def _contribution(self, shard, count, total, first):
-        """`arithmetic.contribution`; batch-sum terms (`_reductions`) whole.
+        """`arithmetic.contribution`, each term by its kind (`_reductions`).
         """
-        reductions = getattr(self, "_reductions", None)
-        summed = (reductions.sum_terms(shard, self._inner.losses)
-                  if reductions is not None else 0.0)
-        reg = arithmetic.weight_regularization(self._inner)
-        return arithmetic.contribution(
-            shard - summed, reg, count, total, first) + summed
+        return _reductions.weighted(
+            getattr(self, "_reductions", None), self._inner, shard,
+            self._inner.losses, count, total, first)
 
     def _with_mask(self, y_pred, mask):
         """`(y_pred, its mask)` to gather, noting whether there is one."""
