@@ -88,8 +88,9 @@ def ensure_built(mirrored, x, y=None, sample_weight=None):
     Everything is built on one device, as the user's model would be;
     the variables then move to the strategy (`_homes`).
     """
-    batch = _inputs.first_batch(x, y, sample_weight)
     inner = mirrored._inner
+    batch = _inputs.first_batch(x, y, sample_weight,
+                                shapes_only=inner.built)
     if batch is None:
         if inner.built and all(
                 o.built for o in _homes.optimizers_of(inner)):

@@ -20,6 +20,7 @@ import functools
 import keras
 import tensorflow as tf
 
+from keras_mirror import _validate
 from keras_mirror.distribute import _worker_input
 from keras_mirror.steps import _reductions
 
@@ -81,8 +82,9 @@ def first_call(mirrored, function):
             return function(iterator)
         try:
             first = next(iterator)
-        except tf.errors.OutOfRangeError:
-            raise StopIteration
+        except (StopIteration, tf.errors.OutOfRangeError):
+            # Not read ahead by `fit`'s checks (`_validate._check_dataset`).
+            raise _validate.empty_dataset(iterator) from None
         classify(mirrored, first)
         return function(_replay(mirrored, first, iterator))
 
