@@ -69,15 +69,30 @@ def build(mirrored, batch):
     inner = mirrored._inner
     if not getattr(inner, "compiled", False):
         return
-    if not mirrored._custom_step or _compat.has_compiled_loss_or_metrics(
-            inner):
+    if not mirrored._custom_step:
         _compat.symbolic_build(inner, batch)
+    elif _compat.has_compiled_loss_or_metrics(inner):
+        _build_own_step_loss(inner, batch)
     variables = inner.trainable_variables
     for optimizer in _homes.optimizers_of(inner):
         if not optimizer.built and variables:
             # An optimizer of a model's own step may update any subset of
             # the variables; built on all of them, it can.
             optimizer.build(variables)
+
+
+def _build_own_step_loss(model, batch):
+    """Builds the compiled loss and metrics of a model with its own step.
+
+    Its own `train_step` decides what the compiled objects see (keras.io's
+    DDIM has no `call` and uses `self.loss` as a plain function); when the
+    model cannot be run symbolically, they are left to that step, as on
+    one device.
+    """
+    try:
+        _compat.symbolic_build(model, batch)
+    except (NotImplementedError, RuntimeError):
+        pass
 
 
 def ensure_built(mirrored, x, y=None, sample_weight=None):

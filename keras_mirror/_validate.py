@@ -221,7 +221,8 @@ def check_fit_inputs(mirrored, x, y, batch_size, steps_per_epoch,
         _check_values("x", x)
         _check_values("y", y)
         _check_lengths(x, y, sample_weight)
-    _check_targets(mirrored._inner, x, y)
+    if not mirrored._custom_step:  # its own `train_step` decides its data
+        _check_targets(mirrored._inner, x, y)
     _check_input_structure(mirrored._inner, x)
     warn_idle_replicas(mirrored, x, batch_size)
 
