@@ -46,7 +46,8 @@ class TinyDiffusion(keras.Model):
         with tf.GradientTape() as tape:
             pred_noises = self.network(noisy, training=True)
             noise_loss = self.loss(noises, pred_noises)  # one per pixel
-        target = noise_loss if self.per_pixel else tf.reduce_mean(noise_loss)
+            target = noise_loss if self.per_pixel else tf.reduce_mean(
+                noise_loss)
         gradients = tape.gradient(target, self.network.trainable_weights)
         self.optimizer.apply_gradients(
             zip(gradients, self.network.trainable_weights))
