@@ -55,8 +55,8 @@ def test_sum_reduction_from_a_dataset_is_exact():
     ds = tf.data.Dataset.from_tensor_slices((x, y)).batch(14)
     make = lambda: _mlp(keras.losses.MeanSquaredError(reduction="sum"))  # noqa
     single, expected, mirrored, logs = _both(make, ds, validation_data=ds)
-    assert mirrored._reductions.outputs == ("sum",)
     assert max_diff(single.get_weights(), mirrored.get_weights()) < 1e-5
+    assert mirrored._reductions.outputs == ("sum",)
     _assert_same_logs(expected, logs)
 
 
@@ -78,8 +78,8 @@ def test_masked_model_from_a_dataset_is_classified_and_exact():
         return model
 
     single, expected, mirrored, logs = _both(make, ds)
-    assert mirrored._reductions.outputs == ("mean",)
     assert max_diff(single.get_weights(), mirrored.get_weights()) < 1e-5
+    assert mirrored._reductions.outputs == ("mean",)
     _assert_same_logs(expected, logs)
 
 
@@ -114,8 +114,8 @@ def test_each_output_is_trained_and_logged_by_its_own_reduction(
     ds = _two_output_data()
     single, expected, mirrored, logs = _both(
         lambda: _two_outputs(reductions), ds, validation_data=ds)
-    assert mirrored._reductions.outputs == kinds
     assert max_diff(single.get_weights(), mirrored.get_weights()) < 1e-5
+    assert mirrored._reductions.outputs == kinds
     assert {"a_loss", "b_loss", "val_a_loss", "val_b_loss"} <= set(expected)
     _assert_same_logs(expected, logs)
     np.testing.assert_allclose(
@@ -148,8 +148,8 @@ def test_a_builtin_loss_that_is_zero_on_the_first_batch_goes_by_reduction():
 
     ds = tf.data.Dataset.from_tensor_slices((x, y)).batch(14)
     single, expected, mirrored, logs = _both(make, ds)
-    assert mirrored._reductions.outputs == ("sum",)
     assert max_diff(single.get_weights(), mirrored.get_weights()) < 1e-5
+    assert mirrored._reductions.outputs == ("sum",)
 
 
 def test_an_undecidable_custom_loss_is_refused_not_taken_for_a_mean():
@@ -211,6 +211,6 @@ def test_add_loss_sum_and_zero_initialised_regulariser():
     x, y = _data()
     ds = tf.data.Dataset.from_tensor_slices((x, y)).batch(14)
     single, expected, mirrored, logs = _both(make, ds)
-    assert mirrored._reductions.extras == ("sum", "mean")
     assert max_diff(single.get_weights(), mirrored.get_weights()) < 1e-5
+    assert mirrored._reductions.extras == ("sum", "mean")
     _assert_same_logs(expected, logs)

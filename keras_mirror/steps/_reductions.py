@@ -252,13 +252,15 @@ def probe(model, batch):
     for v, value in state:
         v.assign(value)
     extras = _extra_kinds(model, once[1], twice[1])
-    if _own_compute_loss(model) or _compat.flat_losses(model) is None:
+    if not _own_compute_loss(model) and _compat.flat_losses(model) is None:
+        return Reductions(MEAN, extras)  # no compiled loss: `add_loss` only
+    if _own_compute_loss(model):
         try:
             logged = _output_kinds(model, once[2], twice[2])
         except errors.LossReductionError:
             logged = None  # the override's own combination is what counts
-        return Reductions(_compiled_kind(model, once[0], twice[0]), extras,
-                          logged=logged)
+        return Reductions(_compiled_kind(model, once[0], twice[0], logged),
+                          extras, logged=logged)
     return Reductions(extras=extras,
                       outputs=_output_kinds(model, once[2], twice[2]))
 
@@ -267,8 +269,10 @@ def _own_compute_loss(model):
     return type(model).compute_loss is not keras.Model.compute_loss
 
 
-def _compiled_kind(model, once, twice):
+def _compiled_kind(model, once, twice, outputs=None):
     kind = _kind(once, twice)
+    if kind == UNDECIDED and outputs and len(set(outputs)) == 1:
+        kind = outputs[0]  # every output's loss is of one kind
     if kind in (MEAN, SUM):
         return kind
     raise errors.LossReductionError(
