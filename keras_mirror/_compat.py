@@ -401,6 +401,62 @@ def has_compiled_loss_or_metrics(model):
         model, "_compile_metrics", None) is not None
 
 
+# A compiled loss (`CompileLoss`) computes each output's term in a loop over
+# `_flat_losses`, namedtuples `(path, loss, loss_weights, name)` made on its
+# first call, and logs each term with the `Mean` of the same index in
+# `metrics`. keras-mirror lends it a list whose losses also report their
+# value, to weight each output's term by its own reduction. A built-in loss
+# (`keras.src.losses.losses.LossFunctionWrapper`, which also wraps a loss
+# given by name) applies a Keras loss function to each sample, then reduces.
+_FLAT_LOSSES = "_flat_losses"
+_LOSS_WRAPPER = ("keras.src.losses.losses", "LossFunctionWrapper")
+
+
+def flat_losses(model):
+    """The compiled loss's `(path, loss, loss_weights, name)` list, or None."""
+    compile_loss = getattr(model, _COMPILE_LOSS, None)
+    return None if compile_loss is None else getattr(
+        compile_loss, _FLAT_LOSSES, None)
+
+
+@contextlib.contextmanager
+def reporting_flat_losses(model, report):
+    """Within the block, output `i`'s loss value `v` also calls `report(i, v)`.
+    """
+    entries = flat_losses(model)
+    if not entries:
+        yield
+        return
+    compile_loss = getattr(model, _COMPILE_LOSS)
+
+    def reporting(i, loss):
+        def call(*args, **kwargs):
+            value = loss(*args, **kwargs)
+            report(i, value)
+            return value
+        return call
+
+    setattr(compile_loss, _FLAT_LOSSES, [
+        e._replace(loss=reporting(i, e.loss)) for i, e in enumerate(entries)])
+    try:
+        yield
+    finally:
+        setattr(compile_loss, _FLAT_LOSSES, entries)
+
+
+def keras_per_sample_loss(loss):
+    """Whether `loss` is a built-in Keras loss of per-sample values."""
+    import importlib
+
+    module, name = _LOSS_WRAPPER
+    wrapper = getattr(importlib.import_module(module), name)
+    fn = getattr(loss, "fn", None)
+    return (isinstance(loss, wrapper) and type(loss).call is wrapper.call
+            and getattr(fn, "__module__", "").startswith("keras.")
+            and getattr(keras.losses, getattr(fn, "__name__", ""),
+                        None) is fn)
+
+
 # `Layer._flatten_layers()` walks a model's layers (itself first) in the order
 # `Layer.losses` collects their `add_loss` terms, which each layer keeps in
 # `_losses`. Used only to name the layer of an `add_loss` term in an error.

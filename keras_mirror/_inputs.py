@@ -61,17 +61,31 @@ def batch_from_spec(dataset):
     return tf.nest.pack_sequence_as(spec, zeros)
 
 
-def first_batch(x, y=None, sample_weight=None):
+def _dense_spec(dataset):
+    """`dataset`'s element spec when every leaf is a dense `tf.TensorSpec`."""
+    spec = dataset.element_spec
+    leaves = tf.nest.flatten(spec)
+    if leaves and all(type(leaf) is tf.TensorSpec for leaf in leaves):
+        return spec
+    return None
+
+
+def first_batch(x, y=None, sample_weight=None, shapes_only=False):
     """A small `(x, y, sample_weight)` batch of the input, or None.
 
     Used to build an unbuilt model and the compiled loss and metrics before
     the first step, so that nothing is created inside a replica. A dataset
     gives a batch of zeros built from its element spec (`batch_from_spec`),
-    without reading it; only a dataset whose spec leaves shapes open is
-    read, one element.
+    without reading it; with `shapes_only` (a built model, whose loss and
+    metrics build from shapes), a spec with open dimensions is returned as
+    it is (`tf.TensorSpec`s), unread. Only a dataset whose spec leaves
+    shapes open for an unbuilt model, or that holds ragged or sparse
+    leaves, is read: one element.
     """
     if isinstance(x, tf.data.Dataset):
         element = batch_from_spec(x)
+        if element is None and shapes_only:
+            element = _dense_spec(x)
         if element is None:
             element = next(iter(x.take(1)))
         return keras.utils.unpack_x_y_sample_weight(element)

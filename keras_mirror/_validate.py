@@ -72,12 +72,11 @@ def _cardinality(dataset):
 def _check_dataset(x, steps_per_epoch, batch_mode, num_replicas):
     """A dataset must yield, hold enough batches and group evenly."""
     card = _cardinality(x)
-    if card == 0 or (card == tf.data.UNKNOWN_CARDINALITY
-                     and not list(x.take(1))):
-        raise ValueError(
-            "`x` must yield at least one batch, but the dataset is empty. "
-            f"Received: x={x!r}"
-        )
+    # A dataset of unknown size is not read ahead to see whether it is
+    # empty (plain Keras reads each element once): the first step says so
+    # (`steps._probing`).
+    if card == 0:
+        raise empty_dataset(x)
     if card < 0:
         return
     if batch_mode == "per_replica":
@@ -90,6 +89,13 @@ def _check_dataset(x, steps_per_epoch, batch_mode, num_replicas):
             "`dataset.repeat()` for more). "
             f"Received: steps_per_epoch={steps_per_epoch!r}"
         )
+
+
+def empty_dataset(x):
+    """The error for an input `x` that yields no batch."""
+    return ValueError(
+        "`x` must yield at least one batch, but the dataset is empty. "
+        f"Received: x={x!r}")
 
 
 def _check_groups(batches, num_replicas):
@@ -214,7 +220,8 @@ def check_fit_inputs(mirrored, x, y, batch_size, steps_per_epoch,
         _check_values("y", y)
         _check_lengths(x, y, sample_weight)
         _targets.check(mirrored._inner, x, y, sample_weight)
-    _check_targets(mirrored._inner, x, y)
+    if not mirrored._custom_step:  # its own `train_step` decides its data
+        _check_targets(mirrored._inner, x, y)
     _check_input_structure(mirrored._inner, x)
     warn_idle_replicas(mirrored, x, batch_size)
 
@@ -314,7 +321,7 @@ def check_inputs(mirrored, x, y=None, sample_weight=None, name="x",
     _check_values("y", y)
     batch = None
     if isinstance(x, tf.data.Dataset) or _inputs.is_generator(x):
-        batch = _inputs.first_batch(x)
+        batch = _inputs.first_batch(x, shapes_only=True)
     elif _inputs.is_array(x):
         _check_lengths(x, y, sample_weight)
         batch = (x, y, sample_weight)

@@ -231,8 +231,9 @@ class MirroredModel(ReplicaAttributes, dispatch.StepDispatch,
         loss_fn=...)`): its loss functions, metrics and optimizers are used
         as given, never rebuilt from a config, so unregistered custom
         objects work and an explicit `LossScaleOptimizer` is wrapped once.
-        `jit_compile` must stay off: XLA cannot compile a `tf.distribute`
-        step. Compiling the model before wrapping it does the same.
+        With `jit_compile=True` the replica steps still run without XLA,
+        with a `UserWarning`. Compiling the model before wrapping it does
+        the same.
         """
         _compile.compile(self, *args, **kwargs)
 

@@ -182,6 +182,49 @@ def test_output_loss_trackers_and_compiled_checks():
     assert all(isinstance(t, keras.metrics.Mean) for t in trackers)
 
 
+def test_flat_losses_report_each_outputs_value():
+    a = keras.Input((2,))
+    model = keras.Model(a, [keras.layers.Dense(1, name="p")(a),
+                            keras.layers.Dense(1, name="q")(a)])
+    assert _compat.flat_losses(model) is None
+    model.compile("sgd", ["mse", keras.losses.MeanAbsoluteError(
+        reduction="sum")], loss_weights=[1.0, 0.5])
+    model.fit(np.zeros((2, 2)), [np.ones((2, 1))] * 2, verbose=0)
+    entries = _compat.flat_losses(model)
+    assert [e.name for e in entries] == ["p", "q"]
+    assert [e.loss_weights for e in entries] == [1.0, 0.5]
+    seen = []
+    x = np.ones((3, 2), "float32")
+    y_pred = model(x)
+    with _compat.reporting_flat_losses(model, lambda i, v: seen.append(i)):
+        total = model.compute_loss(x=x, y=[np.ones((3, 1))] * 2,
+                                   y_pred=y_pred)
+    assert seen == [0, 1]
+    assert _compat.flat_losses(model) is entries  # restored
+    assert float(total) > 0
+
+
+def test_keras_per_sample_loss_knows_the_builtins():
+    def own(y_true, y_pred):
+        return keras.ops.sum(y_pred)
+
+    class Own(keras.losses.Loss):
+        def call(self, y_true, y_pred):
+            return y_pred
+
+    model = keras.Sequential([keras.Input((2,)), keras.layers.Dense(1)])
+    model.compile("sgd", "mse")
+    model.fit(np.zeros((2, 2)), np.zeros((2, 1)), verbose=0)
+    assert _compat.keras_per_sample_loss(_compat.flat_losses(model)[0].loss)
+    assert _compat.keras_per_sample_loss(
+        keras.losses.MeanSquaredError(reduction="sum"))
+    assert not _compat.keras_per_sample_loss(Own())
+    model.compile("sgd", own)
+    model.fit(np.zeros((2, 2)), np.zeros((2, 1)), verbose=0)
+    assert not _compat.keras_per_sample_loss(
+        _compat.flat_losses(model)[0].loss)
+
+
 def test_loss_owners_name_the_add_loss_layers():
     class Adds(keras.layers.Layer):
         def call(self, x):

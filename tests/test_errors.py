@@ -85,6 +85,16 @@ class _RootSumSquare(keras.losses.Loss):
         return keras.ops.sqrt(keras.ops.sum(keras.ops.square(y_true - y_pred)))
 
 
+class _ZeroSum(keras.losses.Loss):
+    """0 on the targets `Y` (ones), whatever the predictions."""
+
+    def __init__(self):
+        super().__init__(name="zero_sum")
+
+    def call(self, y_true, y_pred):
+        return keras.ops.sum((1.0 - y_true) * y_pred)
+
+
 class _RootAddLoss(keras.layers.Layer):
     def call(self, x):
         self.add_loss(keras.ops.sqrt(keras.ops.sum(keras.ops.square(x))))
@@ -272,7 +282,15 @@ CASES = {
         lambda cpus: _fit(cpus, X, Y, batch_size=4,
                           mirrored_kwargs={"loss": _RootSumSquare()}),
         errors.LossReductionError,
-        r"the compiled loss is neither .*Received: loss=root_sum_square"),
+        r"The loss of output 'root_sum_square' is neither .*Received: "
+        r"loss=root_sum_square for output 'root_sum_square'"),
+    "loss_undecidable": Case(
+        "loss", "a Loss that is 0 on the first batch",
+        lambda cpus: _fit(cpus, X, Y, batch_size=4,
+                          mirrored_kwargs={"loss": _ZeroSum()}),
+        errors.LossReductionError,
+        r"The loss of output 'zero_sum' is undecidable: it is 0 or not "
+        r"finite .*Received: loss=zero_sum for output 'zero_sum'"),
     "add_loss_neither_sum_nor_mean": Case(
         "add_loss", "add_loss(sqrt(batch sum)) in a layer",
         lambda cpus: _fit(cpus, X, Y, batch_size=4,
@@ -404,12 +422,6 @@ CASES = {
         ValueError,
         r"`MirroredModel.fit` needs a compiled model.*"
         r"Received: compiled=False"),
-    "jit_compile": Case(
-        "jit_compile", "True",
-        lambda cpus: keras_mirror.MirroredModel(_seq(), cpus).compile(
-            loss="mse", jit_compile=True),
-        ValueError, r"`jit_compile=True` is not supported.*"
-        r"Received: jit_compile=True"),
     "loss_reduction": Case(
         "loss", "MeanSquaredError(reduction=None)",
         lambda cpus: _mirrored(
