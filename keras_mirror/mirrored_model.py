@@ -299,8 +299,9 @@ class MirroredModel(ReplicaAttributes, dispatch.StepDispatch,
         _capacity.on_batch(self, x)
         _compile.ensure_built(self, x, y, sample_weight)
         with self._homes.mirrored():
-            return super().test_on_batch(x, y, sample_weight=sample_weight,
-                                         **kwargs)
+            return _on_batch.plain(self, "test", functools.partial(
+                super().test_on_batch, x, y, sample_weight=sample_weight,
+                **kwargs))[0]
 
     def predict_on_batch(self, x):
         """Predicts one global batch; rows keep the input order."""

@@ -174,18 +174,40 @@ def unpack(logs, keys=STAT_KEYS):
     return logs
 
 
-def unpacking(function, keys=STAT_KEYS):
-    """Wraps a Keras train function so that its logs come unpacked."""
+def unpacking(function, keys=STAT_KEYS, owner=None):
+    """Wraps a Keras train function so that its logs come unpacked.
+
+    With `owner` (the `MirroredModel`), each step's `replica_*` vectors
+    are also kept for `owner.last_replica_logs` (`remember`).
+    """
     if function is None or getattr(function, "_unpacks_replica_stats",
                                    False):
         return function
 
     @functools.wraps(function)
     def call(*args, **kwargs):
-        return unpack(function(*args, **kwargs), keys)
+        logs = unpack(function(*args, **kwargs), keys)
+        if owner is not None:
+            remember(owner, logs)
+        return logs
 
     call._unpacks_replica_stats = True
     return call
+
+
+def remember(owner, logs):
+    """Keeps the step's `replica_*` vectors (tensors; read when asked)."""
+    if isinstance(logs, dict):
+        vectors = {k: v for k, v in logs.items() if k.startswith(PREFIX)}
+        # Not a Keras-tracked attribute: a plain dict of this step's values.
+        object.__setattr__(owner, "_last_replica_logs", vectors)
+
+
+def last_logs(owner):
+    """`{name: NumPy vector}` of the last step's `replica_<name>` values."""
+    vectors = owner.__dict__.get("_last_replica_logs") or {}
+    return {k[len(PREFIX):]: np.asarray(v).reshape(-1)
+            for k, v in vectors.items()}
 
 
 def _numpy(logs):
