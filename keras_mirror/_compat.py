@@ -24,6 +24,11 @@ SUPPORTED_KERAS = ((3, 14), (3, 16))  # [low, high)
 # gradients would count `N` times.
 _ALLREDUCE_HOOK = "_all_reduce_sum_gradients"
 
+# `fit` starts at `Trainer._initial_epoch` when set; Keras's `BackupAndRestore`
+# sets it on the model it resumes. Callbacks get the user's model, so the
+# wrapper's attribute is the user model's (`_user_model.UserModelState`).
+INITIAL_EPOCH = "_initial_epoch"
+
 # The loss tracker that `fit` reports as `loss`; Keras exposes it only through
 # `model.metrics`, by name, so we look it up there.
 _LOSS_TRACKER = "_loss_tracker"

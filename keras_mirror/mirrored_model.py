@@ -14,6 +14,8 @@ from keras_mirror import _validate
 from keras_mirror import allreduce
 from keras_mirror import saving
 from keras_mirror._replica_attributes import ReplicaAttributes
+from keras_mirror._user_model import UserModelState
+from keras_mirror._user_model import saves_through
 from keras_mirror.callbacks import replica_history
 from keras_mirror.callbacks import step_backup
 from keras_mirror.distribute import _homes
@@ -29,8 +31,8 @@ BATCH_MODES = ("global", "per_replica")
 NONFINITE_MODES = ("warn", "skip_step", "raise")
 
 
-class MirroredModel(ReplicaAttributes, dispatch.StepDispatch,
-                    keras.Model):
+class MirroredModel(ReplicaAttributes, UserModelState,
+                    dispatch.StepDispatch, keras.Model):
     """Trains an existing Keras model data-parallel, exactly.
 
     Wraps any Keras 3 model (Sequential, Functional or subclassed, holding
@@ -250,7 +252,7 @@ class MirroredModel(ReplicaAttributes, dispatch.StepDispatch,
         callbacks = replica_history.callback_list(self, callbacks, verbose,
                                                   epochs, steps)
         backup = step_backup.find(callbacks)
-        with self._homes.mirrored():
+        with self._homes.mirrored(), saves_through(self):
             if backup is not None:
                 return backup.resume_fit(
                     self, super().fit, x, y, batch_size, epochs,
@@ -269,7 +271,8 @@ class MirroredModel(ReplicaAttributes, dispatch.StepDispatch,
             x, batch_size = _capacity.adapt_input(self, x, batch_size)
             _validate.check_inputs(self, x, y, kwargs.get("sample_weight"))
             _compile.ensure_built(self, x, y, kwargs.get("sample_weight"))
-        with self._homes.mirrored():
+            replica_history.route_test_callbacks(self, x, batch_size, kwargs)
+        with self._homes.mirrored(), saves_through(self):
             return super().evaluate(x, y, batch_size=batch_size, **kwargs)
 
     def predict(self, x, batch_size=None, **kwargs):
@@ -278,7 +281,8 @@ class MirroredModel(ReplicaAttributes, dispatch.StepDispatch,
         if not self._inner.built:
             _rebuild.build_from_batch(self._inner, _inputs.first_x(x))
             self._homes.refresh()
-        with self._homes.mirrored():
+        replica_history.route_test_callbacks(self, x, batch_size, kwargs)
+        with self._homes.mirrored(), saves_through(self):
             return super().predict(x, batch_size=batch_size, **kwargs)
 
     def train_on_batch(self, x, y=None, sample_weight=None, **kwargs):

@@ -244,3 +244,14 @@ def test_a_missing_private_name_fails_loudly_by_name():
     opt = keras.optimizers.SGD()
     with pytest.raises(RuntimeError, match=r"SGD\._no_such_hook"):
         _compat._replace_method(opt, "_no_such_hook", lambda f: f, "hook")
+
+
+def test_initial_epoch_is_where_fit_starts():
+    # `BackupAndRestore` sets it on the (user's) model; `fit` starts there.
+    model = keras.Sequential([keras.Input((2,)), keras.layers.Dense(1)])
+    model.compile(optimizer="sgd", loss="mse")
+    assert getattr(model, _compat.INITIAL_EPOCH) is None
+    setattr(model, _compat.INITIAL_EPOCH, 2)
+    history = model.fit(np.ones((4, 2)), np.ones((4, 1)), epochs=3,
+                        verbose=0)
+    assert history.epoch == [2]

@@ -18,6 +18,8 @@ import weakref
 import keras
 import numpy as np
 
+from keras_mirror import _user_model
+
 PREFIX = "replica_"
 # Keras prefixes validation logs with `val_`.
 _PREFIXES = (PREFIX, "val_" + PREFIX)
@@ -65,6 +67,21 @@ class ReplicaCallbackList(keras.callbacks.CallbackList):
 
     _notice = ""  # the first-step line on screen, if any
     _first_step = False  # until the first step of a `fit` ends
+
+    def set_model(self, model):
+        """Each callback gets the user's model, as in plain `fit`.
+
+        The list itself keeps the wrapper (Keras's loop reads it);
+        keras-mirror's own callbacks get it too
+        (`_user_model.callback_model`).
+        """
+        if not model:
+            return
+        keras.callbacks.Callback.set_model(self, model)
+        if self._history:
+            model.history = self._history
+        for callback in self.callbacks:
+            callback.set_model(_user_model.callback_model(callback, model))
 
     def _dispatch(self, hook, *args, logs=None):
         stripped = None
