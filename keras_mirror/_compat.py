@@ -416,3 +416,19 @@ def rekey_optimizer(optimizer):
         setattr(opt, _OPT_INDICES, {
             opt._var_key(v): i
             for i, v in enumerate(getattr(opt, _OPT_VARIABLES))})
+
+
+# Keras keeps the generator that unseeded `keras.random` calls draw from in
+# its global state, created on first use; `verify` restores its state.
+_GLOBAL_STATE_MODULE = "keras.src.backend.common.global_state"
+_GLOBAL_SEED_GENERATOR = "global_seed_generator"
+
+
+def global_seed_generator():
+    """Keras's global `SeedGenerator`, or None when none was made yet."""
+    import importlib
+
+    module = importlib.import_module(_GLOBAL_STATE_MODULE)
+    _require(module, ("get_global_attribute",), _GLOBAL_STATE_MODULE,
+             "restore the global seed generator after `verify`")
+    return module.get_global_attribute(_GLOBAL_SEED_GENERATOR)

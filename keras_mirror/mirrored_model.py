@@ -10,12 +10,12 @@ from keras_mirror import _compile
 from keras_mirror import _inputs
 from keras_mirror import _on_batch
 from keras_mirror import _rebuild
+from keras_mirror import _user_model
 from keras_mirror import _validate
 from keras_mirror import allreduce
 from keras_mirror import saving
+from keras_mirror import verify as verify_lib
 from keras_mirror._replica_attributes import ReplicaAttributes
-from keras_mirror._user_model import UserModelState
-from keras_mirror._user_model import saves_through
 from keras_mirror.callbacks import replica_history
 from keras_mirror.callbacks import step_backup
 from keras_mirror.distribute import _homes
@@ -31,7 +31,7 @@ BATCH_MODES = ("global", "per_replica")
 NONFINITE_MODES = ("warn", "skip_step", "raise")
 
 
-class MirroredModel(ReplicaAttributes, UserModelState,
+class MirroredModel(ReplicaAttributes, _user_model.UserModelState,
                     dispatch.StepDispatch, keras.Model):
     """Trains an existing Keras model data-parallel, exactly.
 
@@ -252,7 +252,7 @@ class MirroredModel(ReplicaAttributes, UserModelState,
         callbacks = replica_history.callback_list(self, callbacks, verbose,
                                                   epochs, steps)
         backup = step_backup.find(callbacks)
-        with self._homes.mirrored(), saves_through(self):
+        with self._homes.mirrored(), _user_model.saves_through(self):
             if backup is not None:
                 return backup.resume_fit(
                     self, super().fit, x, y, batch_size, epochs,
@@ -272,7 +272,7 @@ class MirroredModel(ReplicaAttributes, UserModelState,
             _validate.check_inputs(self, x, y, kwargs.get("sample_weight"))
             _compile.ensure_built(self, x, y, kwargs.get("sample_weight"))
             replica_history.route_test_callbacks(self, x, batch_size, kwargs)
-        with self._homes.mirrored(), saves_through(self):
+        with self._homes.mirrored(), _user_model.saves_through(self):
             return super().evaluate(x, y, batch_size=batch_size, **kwargs)
 
     def predict(self, x, batch_size=None, **kwargs):
@@ -282,7 +282,7 @@ class MirroredModel(ReplicaAttributes, UserModelState,
             _rebuild.build_from_batch(self._inner, _inputs.first_x(x))
             self._homes.refresh()
         replica_history.route_test_callbacks(self, x, batch_size, kwargs)
-        with self._homes.mirrored(), saves_through(self):
+        with self._homes.mirrored(), _user_model.saves_through(self):
             return super().predict(x, batch_size=batch_size, **kwargs)
 
     def train_on_batch(self, x, y=None, sample_weight=None, **kwargs):
@@ -315,6 +315,10 @@ class MirroredModel(ReplicaAttributes, UserModelState,
             self._homes.refresh()
         with self._homes.mirrored():
             return super().predict_on_batch(x)
+
+    def verify(self, x, y=None, batch_size=None, steps=3, **kwargs):
+        """`steps` steps here and on one device: a `VerifyReport`."""
+        return verify_lib.verify(self, x, y, batch_size, steps, **kwargs)
 
     # -- the user's model and saving ----------------------------------------
 
