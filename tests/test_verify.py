@@ -220,8 +220,11 @@ def test_state_is_restored_and_a_following_fit_is_unchanged(cpus):
                             shuffle=False).history
         runs.append((mirrored.model.get_weights(), logs))
     (checked, logs_a), (plain, logs_b) = runs
-    assert max_diff(checked, plain) == 0.0
-    assert logs_a == logs_b
+    # Two identical fits on 4 logical CPUs agree to the last bits or so
+    # (TensorFlow's multi-threaded CPU kernels): measured 0 and 9.3e-10.
+    assert max_diff(checked, plain) < 1e-7
+    for key in logs_b:
+        np.testing.assert_allclose(logs_a[key], logs_b[key], rtol=1e-6)
 
 
 def test_verify_on_an_unbuilt_optimizer_restores_it_empty(cpus):
@@ -266,3 +269,12 @@ def test_verify_refuses_its_own_arguments(cpus):
         mirrored.verify(x, y, epochs=2)
     with pytest.raises(ValueError, match="Received: tolerance=-1"):
         mirrored.verify(x, y, tolerance=-1)
+
+
+def test_public_import_paths():
+    from keras_mirror import VerifyReport
+    from keras_mirror.verify import VerifyReport as same
+
+    assert VerifyReport is same is keras_mirror.VerifyReport
+    assert "VerifyReport" in keras_mirror.__all__
+    assert keras_mirror.MirroredModel.verify.__doc__
