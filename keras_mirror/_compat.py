@@ -24,6 +24,11 @@ SUPPORTED_KERAS = ((3, 14), (3, 16))  # [low, high)
 # gradients would count `N` times.
 _ALLREDUCE_HOOK = "_all_reduce_sum_gradients"
 
+# `fit` starts at `Trainer._initial_epoch` when set; Keras's `BackupAndRestore`
+# sets it on the model it resumes. Callbacks get the user's model, so the
+# wrapper's attribute is the user model's (`_user_model.UserModelState`).
+INITIAL_EPOCH = "_initial_epoch"
+
 # The loss tracker that `fit` reports as `loss`; Keras exposes it only through
 # `model.metrics`, by name, so we look it up there.
 _LOSS_TRACKER = "_loss_tracker"
@@ -527,3 +532,19 @@ def dataset_graph(dataset):
     graph = graph_pb2.GraphDef()
     graph.ParseFromString(getattr(dataset, _DATASET_GRAPH)().numpy())
     return graph
+
+
+# Keras keeps the generator that unseeded `keras.random` calls draw from in
+# its global state, created on first use; `verify` restores its state.
+_GLOBAL_STATE_MODULE = "keras.src.backend.common.global_state"
+_GLOBAL_SEED_GENERATOR = "global_seed_generator"
+
+
+def global_seed_generator():
+    """Keras's global `SeedGenerator`, or None when none was made yet."""
+    import importlib
+
+    module = importlib.import_module(_GLOBAL_STATE_MODULE)
+    _require(module, ("get_global_attribute",), _GLOBAL_STATE_MODULE,
+             "restore the global seed generator after `verify`")
+    return module.get_global_attribute(_GLOBAL_SEED_GENERATOR)

@@ -10,9 +10,11 @@ from keras_mirror import _compile
 from keras_mirror import _inputs
 from keras_mirror import _on_batch
 from keras_mirror import _rebuild
+from keras_mirror import _user_model
 from keras_mirror import _validate
 from keras_mirror import allreduce
 from keras_mirror import saving
+from keras_mirror import verify as verify_lib
 from keras_mirror._replica_attributes import ReplicaAttributes
 from keras_mirror.callbacks import replica_history
 from keras_mirror.callbacks import step_backup
@@ -29,8 +31,8 @@ BATCH_MODES = ("global", "per_replica")
 NONFINITE_MODES = ("warn", "skip_step", "raise")
 
 
-class MirroredModel(ReplicaAttributes, dispatch.StepDispatch,
-                    keras.Model):
+class MirroredModel(ReplicaAttributes, _user_model.UserModelState,
+                    dispatch.StepDispatch, keras.Model):
     """Trains an existing Keras model data-parallel, exactly.
 
     Wraps any Keras 3 model (Sequential, Functional or subclassed, holding
@@ -265,7 +267,7 @@ class MirroredModel(ReplicaAttributes, dispatch.StepDispatch,
         callbacks = replica_history.callback_list(self, callbacks, verbose,
                                                   epochs, steps)
         backup = step_backup.find(callbacks)
-        with self._homes.mirrored():
+        with self._homes.mirrored(), _user_model.saves_through(self):
             if backup is not None:
                 return backup.resume_fit(
                     self, super().fit, x, y, batch_size, epochs,
@@ -287,7 +289,8 @@ class MirroredModel(ReplicaAttributes, dispatch.StepDispatch,
             _validate.check_inputs(self, x, y, kwargs.get("sample_weight"),
                                    batch_size=batch_size)
             _compile.ensure_built(self, x, y, kwargs.get("sample_weight"))
-        with self._homes.mirrored():
+            replica_history.route_test_callbacks(self, x, batch_size, kwargs)
+        with self._homes.mirrored(), _user_model.saves_through(self):
             return super().evaluate(x, y, batch_size=batch_size, **kwargs)
 
     @_rebuild.outside_other_strategies
@@ -299,7 +302,8 @@ class MirroredModel(ReplicaAttributes, dispatch.StepDispatch,
         if not self._inner.built:
             _rebuild.build_from_batch(self._inner, _inputs.first_x(x))
             self._homes.refresh()
-        with self._homes.mirrored():
+        replica_history.route_test_callbacks(self, x, batch_size, kwargs)
+        with self._homes.mirrored(), _user_model.saves_through(self):
             return super().predict(x, batch_size=batch_size, **kwargs)
 
     @_rebuild.outside_other_strategies
@@ -324,8 +328,9 @@ class MirroredModel(ReplicaAttributes, dispatch.StepDispatch,
         _capacity.on_batch(self, x)
         _compile.ensure_built(self, x, y, sample_weight)
         with self._homes.mirrored():
-            return super().test_on_batch(x, y, sample_weight=sample_weight,
-                                         **kwargs)
+            return _on_batch.plain(self, "test", functools.partial(
+                super().test_on_batch, x, y, sample_weight=sample_weight,
+                **kwargs))[0]
 
     @_rebuild.outside_other_strategies
     def predict_on_batch(self, x):
@@ -337,6 +342,10 @@ class MirroredModel(ReplicaAttributes, dispatch.StepDispatch,
             self._homes.refresh()
         with self._homes.mirrored():
             return super().predict_on_batch(x)
+
+    def verify(self, x, y=None, batch_size=None, steps=3, **kwargs):
+        """`steps` steps here and on one device: a `VerifyReport`."""
+        return verify_lib.verify(self, x, y, batch_size, steps, **kwargs)
 
     # -- the user's model and saving ----------------------------------------
 

@@ -53,8 +53,8 @@ class ReplicaContext:
     On the `"in_graph"` execution path (see `MirroredModel`) the replicas'
     forward passes are traced one after the other into one graph, so a
     replica cannot wait for the others: `replica_id` is a Python int and the
-    two reductions raise `RuntimeError`. Models with their own `train_step`
-    always run on the `"strategy"` path, where both work.
+    two reductions and `all_gather` raise `RuntimeError`. Models with their
+    own `train_step` always run on the `"strategy"` path, where all work.
 
     Example:
 
@@ -69,8 +69,12 @@ class ReplicaContext:
 
     def __init__(self, replica_id, num_replicas, shard_size,
                  global_batch_size, distributed=False, options=None,
-                 gradient_dtype=None, reduce_error=None, offset=None):
+                 gradient_dtype=None, reduce_error=None, offset=None,
+                 shares_after_gradient=False):
         self.replica_id = replica_id
+        # A model's own step: each replica's gradients are weighted by its
+        # share when applied (`own_step`), not its loss before.
+        self._shares_after_gradient = shares_after_gradient
         self.offset = offset
         self.num_replicas = num_replicas
         self.shard_size = shard_size
@@ -131,11 +135,82 @@ class ReplicaContext:
 
         return self.all_reduce_sum(tf.nest.map_structure(self.weight, value))
 
+    def all_gather(self, value):
+        """The global batch's rows of `value`: every replica's, in order.
+
+        `value` has this replica's rows (`shard_size`, leading dimension);
+        the result has the global batch's `global_batch_size` rows, replica
+        0's first, the same on every replica: what one device computes on
+        the whole batch. Differentiable: the gradient of each replica's
+        loss with respect to the gathered rows is summed over replicas and
+        each replica keeps its own rows' part, so a loss over the gathered
+        rows (in-batch negatives, a contrastive loss) trains as on one
+        device, for uneven and empty shards too. Outside `MirroredModel`,
+        `value` itself. Not available on the `"in_graph"` path.
+
+        Example:
+
+        ```python
+        z = keras_mirror.replica_context().all_gather(embeddings)
+        logits = ops.matmul(embeddings, ops.transpose(z))  # global negatives
+        ```
+        """
+        if not self.distributed:
+            return value
+        if self._reduce_error is not None:
+            raise RuntimeError(_NO_GATHER)
+        return _gather(self, value)
+
     def __repr__(self):
         return (f"ReplicaContext(replica_id={self.replica_id}, "
                 f"num_replicas={self.num_replicas}, "
                 f"shard_size={self.shard_size}, "
                 f"global_batch_size={self.global_batch_size})")
+
+
+_NO_GATHER = (
+    "`replica_context().all_gather` is not available on the 'in_graph' "
+    "execution path: its replicas are traced one after the other into one "
+    "graph, so a replica cannot read the rows of the replicas traced after "
+    "it. Use `MirroredModel(..., execution='strategy')`. Received: "
+    "execution='in_graph'")
+
+
+def _gather(context, value):
+    """`all_gather` with its gradient routed back to each replica's rows."""
+    import tensorflow as tf
+
+    value = tf.convert_to_tensor(value)
+    ctx = tf.distribute.get_replica_context()
+    options = context._options
+
+    def gather(t):
+        return ctx.all_gather(t, axis=0, options=options)
+
+    if not value.dtype.is_floating:
+        return gather(value)
+    rows = tf.shape(value)[0]
+    offset = tf.cast(context.offset, tf.int32)
+    share = tf.cast(context.share, value.dtype)
+
+    @tf.custom_gradient
+    def differentiable(t):
+        def grad(upstream):
+            upstream = tf.convert_to_tensor(upstream)
+            if context._shares_after_gradient:
+                # Weighted as the replica's loss would be, then unweighted:
+                # its own step's gradients get its share when applied.
+                upstream = context.weight(upstream)
+            total = ctx.all_reduce(tf.distribute.ReduceOp.SUM, upstream,
+                                   options=options)
+            mine = total[offset:offset + rows]
+            if context._shares_after_gradient:
+                mine = tf.math.divide_no_nan(mine, share)
+            return mine
+
+        return gather(t), grad
+
+    return differentiable(value)
 
 
 def replica_context(batch_size=None):

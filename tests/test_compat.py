@@ -338,3 +338,14 @@ def test_auto_shard_dataset_reads_files_round_robin(tmp_path):
 def test_dataset_graph_holds_the_pipeline_ops():
     graph = _compat.dataset_graph(tf.data.Dataset.range(5).batch(2))
     assert {"RangeDataset", "BatchDatasetV2"} <= {n.op for n in graph.node}
+
+
+def test_initial_epoch_is_where_fit_starts():
+    # `BackupAndRestore` sets it on the (user's) model; `fit` starts there.
+    model = keras.Sequential([keras.Input((2,)), keras.layers.Dense(1)])
+    model.compile(optimizer="sgd", loss="mse")
+    assert getattr(model, _compat.INITIAL_EPOCH) is None
+    setattr(model, _compat.INITIAL_EPOCH, 2)
+    history = model.fit(np.ones((4, 2)), np.ones((4, 1)), epochs=3,
+                        verbose=0)
+    assert history.epoch == [2]

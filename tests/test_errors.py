@@ -250,6 +250,18 @@ def _make_dir_and_save(cpus):
     _mirrored(cpus).save("folder.keras")
 
 
+class _Gather(keras.layers.Layer):
+    def call(self, x):
+        return keras_mirror.replica_context().all_gather(x)
+
+
+def _gather_in_graph(cpus):
+    model = keras.Sequential([keras.Input((3,)), _Gather(),
+                              keras.layers.Dense(1)])
+    _fit(cpus, X, Y, batch_size=8, mirrored_kwargs=dict(
+        model=model, execution="in_graph"))
+
+
 CASES = {
     "keras_backend": Case(
         "KERAS_BACKEND", "'jax'", _on_backend("jax"), ValueError,
@@ -758,6 +770,27 @@ CASES = {
         ValueError, r"`MirroredModel` must be created outside any "
         r"`tf.distribute.Strategy.scope\(\)`.*Received: a MirroredModel "
         r"created inside OneDeviceStrategy.scope\(\)"),
+    # -- issue 24: verify, all_gather ----------------------------------------
+    "verify_steps": Case(
+        "steps", "0 in `verify`",
+        lambda cpus: _mirrored(cpus).verify(X, Y, steps=0),
+        ValueError, r"`steps` must be a positive integer\. "
+        r"Received: steps=0"),
+    "verify_fit_argument": Case(
+        "epochs", "epochs=2 in `verify`",
+        lambda cpus: _mirrored(cpus).verify(X, Y, epochs=2),
+        ValueError, r"`verify` runs `steps` steps of one epoch.*`epochs` is "
+        r"its own.*Received: epochs=2"),
+    "verify_tolerance": Case(
+        "tolerance", "-1 in `verify`",
+        lambda cpus: _mirrored(cpus).verify(X, Y, tolerance=-1),
+        ValueError, r"`tolerance` must be a non-negative number\. "
+        r"Received: tolerance=-1"),
+    "all_gather_in_graph": Case(
+        "execution", "'in_graph' with `replica_context().all_gather`",
+        _gather_in_graph,
+        RuntimeError, r"`replica_context\(\).all_gather` is not available "
+        r"on the 'in_graph' execution path.*Received: execution='in_graph'"),
 }
 
 

@@ -73,6 +73,8 @@ class StepBackup(keras.callbacks.Callback):
     ```
     """
 
+    _wants_wrapper = True  # reads the wrapper's state (`_user_model`)
+
     def __init__(self, backup_dir, every_n_steps=1,
                  delete_on_train_end=True):
         super().__init__()

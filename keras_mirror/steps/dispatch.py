@@ -50,14 +50,16 @@ class StepDispatch(strategy.ReplicaSteps):
 
         The built-in step packs its per-replica statistics into one tensor
         (`_replica_logs.PACKED`); the returned function splits it, so every
-        caller of `train_function` (fit, train_on_batch) sees the vectors.
+        caller of `train_function` (fit, train_on_batch) sees the vectors,
+        and keeps them for `last_replica_logs`. `train_on_batch` and the
+        callbacks that did not opt in see plain Keras's keys only.
         """
         if self.train_function is not None and not force:
             return self.train_function
         super().make_train_function(force=force)
         self.train_function = _probing.first_call(
             self, _replica_logs.unpacking(self.train_function,
-                                          self._stat_keys()))
+                                          self._stat_keys(), owner=self))
         return self.train_function
 
     def make_test_function(self, force=False):

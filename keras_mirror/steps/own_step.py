@@ -212,7 +212,8 @@ def _run(mirrored, data, method):
                              options=mirrored._comm_options,
                              gradient_dtype=mirrored._gradient_dtype,
                              offset=tf.gather(offsets, r),
-                             reduce_error=_graph_reduce_error(mirrored))
+                             reduce_error=_graph_reduce_error(mirrored),
+                             shares_after_gradient=True)
         with activate(ctx), _tape.per_row_targets():
             out = step(shard_data)
         samples = tf.reshape(tf.cast(shard_rows, tf.float32), [1])
