@@ -48,7 +48,8 @@ class ReplicaContext:
         share: float or scalar float32 tensor. `b_r / B` (0 for an empty
             shard; 1 outside `MirroredModel`).
         offset: int, scalar int32 tensor or None. The replica's first row
-            in the global batch (0 outside `MirroredModel`).
+            in the global batch (0 outside `MirroredModel`, and for an
+            empty shard, whose stand-in row is the global batch's first).
 
     On the `"in_graph"` execution path (see `MirroredModel`) the replicas'
     forward passes are traced one after the other into one graph, so a
@@ -86,6 +87,11 @@ class ReplicaContext:
         if distributed:
             import tensorflow as tf
 
+            if offset is not None and shard_size is not None:
+                # An empty shard's stand-in row is the global batch's first.
+                self.offset = tf.where(
+                    tf.cast(shard_size, tf.int32) > 0,
+                    tf.cast(offset, tf.int32), 0)
             self.share = tf.math.divide_no_nan(
                 tf.cast(shard_size, tf.float32),
                 tf.cast(global_batch_size, tf.float32))
@@ -187,9 +193,12 @@ def _gather(context, value):
     def gather(t):
         return ctx.all_gather(t, axis=0, options=options)
 
+    # An empty shard runs a stand-in row (`steps/_stand_in.py`): it gives
+    # no rows, and gets a zero gradient.
+    rows = tf.cast(context.shard_size, tf.int32)
+    run_rows = tf.shape(value)[0]
     if not value.dtype.is_floating:
-        return gather(value)
-    rows = tf.shape(value)[0]
+        return gather(value[:rows])
     offset = tf.cast(context.offset, tf.int32)
     share = tf.cast(context.share, value.dtype)
 
@@ -206,9 +215,11 @@ def _gather(context, value):
             mine = total[offset:offset + rows]
             if context._shares_after_gradient:
                 mine = tf.math.divide_no_nan(mine, share)
-            return mine
+            stand_in = tf.zeros(tf.concat(
+                [[run_rows - rows], tf.shape(mine)[1:]], 0), mine.dtype)
+            return tf.concat([mine, stand_in], axis=0)
 
-        return gather(t), grad
+        return gather(t[:rows]), grad
 
     return differentiable(value)
 
