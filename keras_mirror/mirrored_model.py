@@ -7,12 +7,12 @@ import tensorflow as tf
 
 from keras_mirror import _compat
 from keras_mirror import _compile
+from keras_mirror import _files
 from keras_mirror import _inputs
 from keras_mirror import _on_batch
 from keras_mirror import _rebuild
 from keras_mirror import _validate
 from keras_mirror import allreduce
-from keras_mirror import saving
 from keras_mirror._replica_attributes import ReplicaAttributes
 from keras_mirror.callbacks import replica_history
 from keras_mirror.callbacks import step_backup
@@ -127,6 +127,8 @@ class MirroredModel(ReplicaAttributes, dispatch.StepDispatch,
     print(mirrored.split_plan(10))  # (3, 3, 2, 2)
     ```
     """
+
+    _keras_mirror_wrapper = True  # `_rebuild.check_not_wrapped` reads it
 
     def __init__(self, model, devices=None, batch="global",
                  on_nonfinite="warn", gradient_dtype=None, bytes_per_pack=0,
@@ -334,7 +336,7 @@ class MirroredModel(ReplicaAttributes, dispatch.StepDispatch,
                 f"Received: filepath={filepath!r}")
         if not self.is_chief:
             return  # Only the chief writes; saving has no collective.
-        saving.write_atomically(self._inner.save, filepath, overwrite,
+        _files.write_atomically(self._inner.save, filepath, overwrite,
                                 **kwargs)
 
     def save_weights(self, filepath, overwrite=True, **kwargs):
@@ -350,7 +352,7 @@ class MirroredModel(ReplicaAttributes, dispatch.StepDispatch,
                 f"Received: filepath={filepath!r}")
         if not self.is_chief:
             return  # Only the chief writes; saving has no collective.
-        saving.write_atomically(self._inner.save_weights, filepath,
+        _files.write_atomically(self._inner.save_weights, filepath,
                                 overwrite, **kwargs)
 
     def load_weights(self, filepath, skip_mismatch=False, **kwargs):
@@ -362,7 +364,7 @@ class MirroredModel(ReplicaAttributes, dispatch.StepDispatch,
                 "`filepath` must end in `.weights.h5`; full models load with "
                 "`keras.saving.load_model(..., safe_mode=True)`. "
                 f"Received: filepath={filepath!r}")
-        saving.check_weights_file(filepath)
+        _files.check_weights_file(filepath)
         self._inner.load_weights(filepath, skip_mismatch=skip_mismatch,
                                  **kwargs)
 
