@@ -54,12 +54,14 @@ def test_adam_steps_equal_single_device_for_each_replica_count(n, cpus):
     reference, mirrored, losses = _step_both(n, cpus, OPTIMIZERS["adam"])
     assert max_diff(reference.get_weights(), mirrored.model.get_weights()) \
         < 1e-5
+    assert int(mirrored.optimizer.iterations.numpy()) == len(BATCHES)
     for ref, got in losses:
         assert got["loss"] == pytest.approx(ref["loss"], rel=1e-5, abs=1e-6)
         assert got["mae"] == pytest.approx(ref["mae"], rel=1e-5, abs=1e-6)
 
 
-@pytest.mark.parametrize("name", sorted(OPTIMIZERS))
+# (Adam at N = 4 is the case above.)
+@pytest.mark.parametrize("name", sorted(set(OPTIMIZERS) - {"adam"}))
 def test_optimizer_options_see_the_global_gradient(name, cpus):
     reference, mirrored, _ = _step_both(4, cpus, OPTIMIZERS[name])
     assert max_diff(reference.get_weights(), mirrored.model.get_weights()) \
