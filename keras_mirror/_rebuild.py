@@ -26,10 +26,12 @@ def check_model(model):
 
 
 def check_not_wrapped(model):
-    """Refuses a `MirroredModel` passed to `MirroredModel`."""
-    from keras_mirror.mirrored_model import MirroredModel
+    """Refuses a `MirroredModel` passed to `MirroredModel`.
 
-    if isinstance(model, MirroredModel):
+    Recognised by its class marker `_keras_mirror_wrapper`, not by
+    `isinstance`: this module sits below `mirrored_model` and cannot import it.
+    """
+    if getattr(type(model), "_keras_mirror_wrapper", False):
         raise ValueError(
             "`model` is already a `MirroredModel`: wrap the plain Keras "
             "model once (`MirroredModel(model)`), or use the existing "

@@ -7,13 +7,13 @@ import tensorflow as tf
 
 from keras_mirror import _compat
 from keras_mirror import _compile
+from keras_mirror import _files
 from keras_mirror import _inputs
 from keras_mirror import _on_batch
 from keras_mirror import _rebuild
 from keras_mirror import _user_model
 from keras_mirror import _validate
 from keras_mirror import allreduce
-from keras_mirror import saving
 from keras_mirror import verify as verify_lib
 from keras_mirror._replica_attributes import ReplicaAttributes
 from keras_mirror.callbacks import replica_history
@@ -135,6 +135,8 @@ class MirroredModel(ReplicaAttributes, _user_model.UserModelState,
     print(mirrored.split_plan(10))  # (3, 3, 2, 2)
     ```
     """
+
+    _keras_mirror_wrapper = True  # `_rebuild.check_not_wrapped` reads it
 
     def __init__(self, model, devices=None, batch="global",
                  on_nonfinite="warn", gradient_dtype=None, bytes_per_pack=0,
@@ -370,7 +372,7 @@ class MirroredModel(ReplicaAttributes, _user_model.UserModelState,
                 f"Received: filepath={filepath!r}")
         if not self.is_chief:
             return  # Only the chief writes; saving has no collective.
-        saving.write_atomically(self._inner.save, filepath, overwrite,
+        _files.write_atomically(self._inner.save, filepath, overwrite,
                                 **kwargs)
 
     def save_weights(self, filepath, overwrite=True, **kwargs):
@@ -386,7 +388,7 @@ class MirroredModel(ReplicaAttributes, _user_model.UserModelState,
                 f"Received: filepath={filepath!r}")
         if not self.is_chief:
             return  # Only the chief writes; saving has no collective.
-        saving.write_atomically(self._inner.save_weights, filepath,
+        _files.write_atomically(self._inner.save_weights, filepath,
                                 overwrite, **kwargs)
 
     def load_weights(self, filepath, skip_mismatch=False, **kwargs):
@@ -399,7 +401,7 @@ class MirroredModel(ReplicaAttributes, _user_model.UserModelState,
                 "`filepath` must end in `.weights.h5`; full models load with "
                 "`keras.saving.load_model(..., safe_mode=True)`. "
                 f"Received: filepath={filepath!r}")
-        saving.load_weights(self._inner, filepath, skip_mismatch, **kwargs)
+        _files.load_weights(self._inner, filepath, skip_mismatch, **kwargs)
 
     def export(self, filepath, format="tf_saved_model", **kwargs):
         """Exports the wrapped model for inference, as `keras.Model.export`.

@@ -21,6 +21,10 @@ from keras_mirror import launch as launch_lib
 from keras_mirror.launch import _ports
 from keras_mirror.launch import _supervise
 
+# Starts worker processes on ports (or namespaces): one xdist worker runs
+# every such test, one after another (`--dist loadgroup`, setup.cfg).
+pytestmark = pytest.mark.xdist_group("processes")
+
 WORKERS = pathlib.Path(__file__).parent / "workers"
 TOY = [sys.executable, str(WORKERS / "toy_worker.py")]
 MWMS = [sys.executable, str(WORKERS / "mwms_worker.py")]

@@ -54,12 +54,14 @@ def test_adam_steps_equal_single_device_for_each_replica_count(n, cpus):
     reference, mirrored, losses = _step_both(n, cpus, OPTIMIZERS["adam"])
     assert max_diff(reference.get_weights(), mirrored.model.get_weights()) \
         < 1e-5
+    assert int(mirrored.optimizer.iterations.numpy()) == len(BATCHES)
     for ref, got in losses:
         assert got["loss"] == pytest.approx(ref["loss"], rel=1e-5, abs=1e-6)
         assert got["mae"] == pytest.approx(ref["mae"], rel=1e-5, abs=1e-6)
 
 
-@pytest.mark.parametrize("name", sorted(OPTIMIZERS))
+# (Adam at N = 4 is the case above.)
+@pytest.mark.parametrize("name", sorted(set(OPTIMIZERS) - {"adam"}))
 def test_optimizer_options_see_the_global_gradient(name, cpus):
     reference, mirrored, _ = _step_both(4, cpus, OPTIMIZERS[name])
     assert max_diff(reference.get_weights(), mirrored.model.get_weights()) \
@@ -288,20 +290,8 @@ def test_subclassed_built_model_and_factory(cpus):
     assert factory.model.built
 
 
-def test_a_model_without_config_trains_in_place(cpus):
-    model = NoConfig(3)
-    model(np.zeros((1, 6), "float32"))
-    model.compile(optimizer="sgd", loss="mse")
-    reference = NoConfig(3)
-    reference(np.zeros((1, 6), "float32"))
-    reference.set_weights(model.get_weights())
-    reference.compile(optimizer="sgd", loss="mse")
-    x, y, _ = data(13)
-    mirrored = keras_mirror.MirroredModel(model, devices=cpus)
-    mirrored.fit(x, y, batch_size=5, verbose=0, shuffle=False)
-    reference.fit(x, y, batch_size=5, verbose=0, shuffle=False)
-    assert mirrored.model is model
-    assert max_diff(model.get_weights(), reference.get_weights()) < 1e-5
+# A model without `get_config` trained in place: the guide-model matrix,
+# test_existing_code.py (`no_config`, both paths, an empty shard too).
 
 
 def test_unbuilt_sequential_builds_on_first_uneven_batch(cpus):

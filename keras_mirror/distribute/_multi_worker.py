@@ -209,9 +209,9 @@ def init(cluster=None, cpus_per_worker=None):
     if _state["spec"] == spec and cpus_per_worker is None:
         return spec
     devices = _worker_devices(cpus)  # another cluster or count: refused
-    from keras_mirror.distribute import devices as devices_lib
+    from keras_mirror.distribute import _strategies  # TensorFlow: only now
 
-    devices_lib.multi_worker_strategy(spec, devices)
+    _strategies.multi_worker_strategy(spec, devices)
     _state.update(spec=spec, devices=devices)
     mark_ready()
     return spec
