@@ -32,7 +32,7 @@ import contextlib
 import functools
 
 from keras_mirror import _compat
-from keras_mirror import saving
+from keras_mirror import _files
 
 
 def _forwarded(name):
@@ -81,7 +81,7 @@ def _routed(mirrored, method, original):
             return original(filepath, overwrite=overwrite, **kwargs)
         if not mirrored.is_chief:
             return None  # Only the chief writes; saving has no collective.
-        return saving.write_atomically(original, str(filepath), overwrite,
+        return _files.write_atomically(original, str(filepath), overwrite,
                                        **kwargs)
 
     return call

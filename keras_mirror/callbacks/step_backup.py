@@ -44,9 +44,9 @@ import zlib
 import keras
 import numpy as np
 
+from keras_mirror import _files
 from keras_mirror import _resume
 from keras_mirror import errors
-from keras_mirror import saving
 from keras_mirror.distribute import _homes
 from keras_mirror.distribute import _preemption
 from keras_mirror.distribute import _virtual_shards
@@ -148,7 +148,7 @@ class StepBackup(keras.callbacks.Callback):
         except OSError as e:
             _remove_quietly(temporary)
             raise self._directory_error(e) from e
-        saving.fsync(self.backup_dir)  # the rename itself
+        _files.fsync(self.backup_dir)  # the rename itself
 
     def _read(self):
         """The backup's arrays by key; StepBackupError if unreadable."""
