@@ -6,16 +6,8 @@ import keras
 import tensorflow as tf
 
 from keras_mirror import _compat
-from keras_mirror import _compile
-from keras_mirror import _files
-from keras_mirror import _inputs
-from keras_mirror import _on_batch
-from keras_mirror import _rebuild
-from keras_mirror import _user_model
-from keras_mirror import _validate
 from keras_mirror import allreduce
 from keras_mirror import verify as verify_lib
-from keras_mirror._replica_attributes import ReplicaAttributes
 from keras_mirror.callbacks import replica_history
 from keras_mirror.callbacks import step_backup
 from keras_mirror.distribute import _homes
@@ -26,6 +18,14 @@ from keras_mirror.steps import _capacity
 from keras_mirror.steps import _execution
 from keras_mirror.steps import dispatch
 from keras_mirror.steps import own_step
+from keras_mirror.wrapper import _compile
+from keras_mirror.wrapper import _files
+from keras_mirror.wrapper import _inputs
+from keras_mirror.wrapper import _on_batch
+from keras_mirror.wrapper import _rebuild
+from keras_mirror.wrapper import _user_model
+from keras_mirror.wrapper import _validate
+from keras_mirror.wrapper._replica_attributes import ReplicaAttributes
 
 BATCH_MODES = ("global", "per_replica")
 NONFINITE_MODES = ("warn", "skip_step", "raise")
@@ -415,7 +415,7 @@ class MirroredModel(ReplicaAttributes, _user_model.UserModelState,
         in their column); the wrapped model's `summary` follows, with the
         same arguments (`line_length`, `print_fn`, ...).
         """
-        from keras_mirror import _rendering
+        from keras_mirror.wrapper import _rendering
 
         _rendering.summary_header(self, kwargs)
         self._inner.summary(*args, **kwargs)

@@ -27,11 +27,11 @@ import numpy as np
 import tensorflow as tf
 
 from keras_mirror import _compat
-from keras_mirror import _compile
-from keras_mirror import _inputs
-from keras_mirror import _rendering
 from keras_mirror.distribute import _homes
 from keras_mirror.steps import _capacity
+from keras_mirror.wrapper import _compile
+from keras_mirror.wrapper import _inputs
+from keras_mirror.wrapper import _rendering
 
 
 class VerifyReport:

@@ -18,7 +18,7 @@ import weakref
 import keras
 import numpy as np
 
-from keras_mirror import _user_model
+from keras_mirror.wrapper import _user_model
 
 PREFIX = "replica_"
 # Keras prefixes validation logs with `val_`.

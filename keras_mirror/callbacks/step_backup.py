@@ -13,7 +13,7 @@ it checks the whole backup against the model (a backup that is truncated or
 does not fit raises `StepBackupError` naming the file, before anything is
 assigned), restores it and resumes at that position on the batches an
 uninterrupted run would read from there (`validation_split` and
-`steps_per_epoch` included, see `keras_mirror._resume`), so the run ends
+`steps_per_epoch` included, see `keras_mirror.wrapper._resume`), so the run ends
 with the same step count and weights as an uninterrupted one.
 
 At `on_train_begin` the directory is created and checked with a probe
@@ -44,12 +44,12 @@ import zlib
 import keras
 import numpy as np
 
-from keras_mirror import _files
-from keras_mirror import _resume
 from keras_mirror import errors
 from keras_mirror.distribute import _homes
 from keras_mirror.distribute import _preemption
 from keras_mirror.distribute import _virtual_shards
+from keras_mirror.wrapper import _files
+from keras_mirror.wrapper import _resume
 
 _FILE = "step_backup.npz"
 _TMP_SUFFIX = ".tmp.npz"

@@ -28,9 +28,9 @@ import sys
 
 import tensorflow as tf
 
-from keras_mirror import _inputs
 from keras_mirror import split
 from keras_mirror.distribute import _virtual_shards
+from keras_mirror.wrapper import _inputs
 
 _MARK = "keras_mirror_worker_rows"
 

@@ -20,9 +20,9 @@ import functools
 import keras
 import tensorflow as tf
 
-from keras_mirror import _validate
 from keras_mirror.distribute import _worker_input
 from keras_mirror.steps import _reductions
+from keras_mirror.wrapper import _validate
 
 
 def needs_probe(mirrored):

@@ -84,7 +84,7 @@ def setup(model):
 
 def warn_inexact(model, custom, devices):
     """Warns, at wrap time, of what a model's own step cannot do exactly."""
-    from keras_mirror import _rebuild
+    from keras_mirror.wrapper import _rebuild
 
     synchronized = _rebuild.synchronized_layers(model)
     if custom and synchronized and len(devices) > 1:

@@ -14,9 +14,9 @@ import keras
 import numpy as np
 import tensorflow as tf
 
-from keras_mirror import _arguments
-from keras_mirror import _inputs
-from keras_mirror import _targets
+from keras_mirror.wrapper import _arguments
+from keras_mirror.wrapper import _inputs
+from keras_mirror.wrapper import _targets
 
 
 def check_choice(name, value, choices):

@@ -32,7 +32,7 @@ import contextlib
 import functools
 
 from keras_mirror import _compat
-from keras_mirror import _files
+from keras_mirror.wrapper import _files
 
 
 def _forwarded(name):

@@ -27,8 +27,8 @@ import keras
 import numpy as np
 import tensorflow as tf
 
-from keras_mirror import _inputs
 from keras_mirror.steps import _slicing
+from keras_mirror.wrapper import _inputs
 
 Segment = collections.namedtuple(
     "Segment", ["skip", "first_epoch", "end_epoch", "steps_per_epoch"])

@@ -14,12 +14,12 @@ import warnings
 import keras
 import tensorflow as tf
 
-from keras_mirror import _arguments
 from keras_mirror import _compat
-from keras_mirror import _inputs
-from keras_mirror import _rebuild
 from keras_mirror.distribute import _homes
 from keras_mirror.steps import own_step
+from keras_mirror.wrapper import _arguments
+from keras_mirror.wrapper import _inputs
+from keras_mirror.wrapper import _rebuild
 
 EXACT_REDUCTIONS = ("sum_over_batch_size", "mean")
 
