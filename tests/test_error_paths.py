@@ -176,7 +176,7 @@ REFUSALS = {
     "sparse_y_one_hot": Refusal(
         "y", "shape (8, 5) for sparse_categorical_crossentropy",
         _fit(y=np.zeros((8, 5), "float32")), ValueError,
-        r"`y` must hold one class index per row .*"
+        r"`y` must hold one class index per output position .*"
         r"Received: y.shape=\(8, 5\)", "classifier"),
     "sample_weight_shape": Refusal(
         "sample_weight", "shape (8, 3) for a (8, 1) target",

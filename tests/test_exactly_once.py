@@ -51,7 +51,9 @@ class Recorder(keras.layers.Layer):
     def call(self, x, training=None):
         if training:
             ctx = keras_mirror.replica_context()
-            ids = tf.cast(tf.round(x[:, 0]), tf.int64)
+            # The shard's rows: an empty shard runs one stand-in row,
+            # which is not data (`replica_context().shard_size` is 0).
+            ids = tf.cast(tf.round(x[:ctx.shard_size, 0]), tf.int64)
             tf.py_function(LOG.record, [ctx.replica_id, ids],
                            tf.int32)
         return x

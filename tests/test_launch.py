@@ -318,7 +318,7 @@ def test_launcher_import_does_not_load_tensorflow():
         "assert sorted(keras_mirror.__all__) == sorted(['MirroredModel', "
         "'ReplicaContext', 'ReplicaTensorBoard', 'StepBackup', "
         "'__version__', 'errors', 'init', 'load_model', 'logical_cpus', "
-        "'replica_context'])\n"
+        "'replica_context', 'VerifyReport'])\n"
         "for name in keras_mirror.__all__: getattr(keras_mirror, name)\n"
         "try:\n"
         "    keras_mirror.nothing\n"

@@ -62,12 +62,21 @@ def _is_sparse_loss(loss):
         loss, keras.losses.SparseCategoricalCrossentropy)
 
 
-def _classes(model):
+def _output_shape(model):
+    """The single output's shape, or None (several outputs, unknown)."""
     try:
         shape = model.output_shape
     except (AttributeError, ValueError, RuntimeError):
         return None
-    if isinstance(shape, tuple) and shape and isinstance(shape[-1], int):
+    if isinstance(shape, tuple) and shape and all(
+            d is None or isinstance(d, int) for d in shape):
+        return shape
+    return None
+
+
+def _classes(model):
+    shape = _output_shape(model)
+    if shape is not None and isinstance(shape[-1], int):
         return shape[-1]
     return None
 
@@ -79,10 +88,16 @@ def check_sparse_labels(model, y):
     shape = _shape(y)
     if shape is None:
         return
-    if len(shape) > 1 and not all(d in (None, 1) for d in shape[1:]):
+    output = _output_shape(model)
+    # One class index per output position (a sequence model's targets are
+    # (batch, steps)): wrong only when `y` has the output's own rank with
+    # more than one value on the class axis, as a one-hot target has.
+    if output is not None and len(shape) == len(output) and \
+            shape[-1] not in (None, 1):
         raise ValueError(
-            "`y` must hold one class index per row (shape (batch,) or "
-            "(batch, 1)) for the loss sparse_categorical_crossentropy; "
+            "`y` must hold one class index per output position (shape "
+            f"{output[:-1]} or {output[:-1] + (1,)}) for the loss "
+            "sparse_categorical_crossentropy; "
             "one-hot targets go with categorical_crossentropy. "
             f"Received: y.shape={shape}")
     classes = _classes(model)
