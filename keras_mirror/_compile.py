@@ -26,10 +26,6 @@ EXACT_REDUCTIONS = ("sum_over_batch_size", "mean")
 
 def compile(mirrored, *args, **kwargs):
     """`MirroredModel.compile`: the model's own `compile`, then `adopt`."""
-    if kwargs.get("jit_compile") is True:
-        raise ValueError(
-            "`jit_compile=True` is not supported: XLA cannot compile a "
-            "tf.distribute replica step. Received: jit_compile=True")
     if not mirrored._custom_step:
         check_reductions(kwargs.get("loss", args[1] if len(args) > 1
                                     else None))
@@ -60,6 +56,8 @@ def adopt(mirrored):
         mirrored, optimizer=optimizer,
         steps_per_execution=getattr(inner, "steps_per_execution", 1) or 1,
         run_eagerly=bool(getattr(inner, "run_eagerly", False)),
+        # The step's all-reduce and optimizer update stay uncompiled; each
+        # replica's work follows the model's `jit_compile` (`steps/_xla`).
         jit_compile=False, auto_scale_loss=False)
     mirrored._reductions = None
     mirrored._adopted = _CompileState(inner)
