@@ -366,12 +366,6 @@ CASES = {
         ValueError,
         r"`MirroredModel.fit` needs a compiled model.*"
         r"Received: compiled=False"),
-    "jit_compile": Case(
-        "jit_compile", "True",
-        lambda cpus: keras_mirror.MirroredModel(_seq(), cpus).compile(
-            loss="mse", jit_compile=True),
-        ValueError, r"`jit_compile=True` is not supported.*"
-        r"Received: jit_compile=True"),
     "loss_reduction": Case(
         "loss", "MeanSquaredError(reduction=None)",
         lambda cpus: _mirrored(
