@@ -29,11 +29,10 @@ _ROOT = os.path.dirname(_HERE)
 sys.path[:0] = [_ROOT, _HERE]
 os.environ.setdefault("TF_CPP_MIN_LOG_LEVEL", "2")
 
-import keras  # noqa: E402
-import numpy as np  # noqa: E402
-
 import bench_report  # noqa: E402
 import bench_step  # noqa: E402
+import keras  # noqa: E402
+
 import keras_mirror  # noqa: E402
 
 CPUS = keras_mirror.logical_cpus(4)
@@ -107,7 +106,7 @@ def run(args):
 
 
 def markdown(results, meta):
-    lines = [f"# XLA per replica (bench_xla.py)", "",
+    lines = ["# XLA per replica (bench_xla.py)", "",
              f"`{meta['command']}` on {meta['date']} at commit "
              f"{meta['commit']}, 4 logical CPUs of the shared 2-core VM, "
              f"execution={meta['execution']!r}, load average before "
