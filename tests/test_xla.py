@@ -177,3 +177,23 @@ def test_masked_output_warns_and_stays_exact(execution):
         weights.append([w.numpy() for w in model.weights])
     assert max(float(np.abs(a - b).max())
                for a, b in zip(*weights)) < TOL
+
+
+@pytest.mark.parametrize("execution", ["in_graph", "strategy"])
+def test_sparse_gradients_of_an_embedding_with_xla(execution):
+    rng = np.random.default_rng(0)
+    x = rng.integers(0, 20, (13, 5))
+    y = rng.normal(size=(13, 2)).astype("float32")
+    weights = []
+    for wrap in (False, True):
+        keras.utils.set_random_seed(1)
+        model = keras.Sequential([
+            keras.Input((5,), dtype="int32"), layers.Embedding(20, 4),
+            layers.GlobalAveragePooling1D(), layers.Dense(2)])
+        model.compile(optimizer="adam", loss="mse", jit_compile=True)
+        target = keras_mirror.MirroredModel(
+            model, execution=execution) if wrap else model
+        target.fit(x, y, batch_size=5, epochs=2, verbose=0, shuffle=False)
+        weights.append(model.get_weights())
+    assert max(float(np.abs(a - b).max())
+               for a, b in zip(*weights)) < TOL
