@@ -23,13 +23,15 @@ _EXPORTS = {
     "MirroredModel": "keras_mirror.mirrored_model",
     "ReplicaTensorBoard": "keras_mirror.callbacks.replica_tensorboard",
     "StepBackup": "keras_mirror.callbacks.step_backup",
+    "VerifyReport": "keras_mirror.verify",
     "init": "keras_mirror.distribute._multi_worker",
     "load_model": "keras_mirror.saving",
     "logical_cpus": "keras_mirror.distribute.devices",
 }
 
 _SUBMODULES = ("allreduce", "callbacks", "cli", "demo", "errors", "launch",
-               "mirrored_model", "saving", "split", "version")
+               "mirrored_model", "saving", "split", "verify",
+               "version")
 
 # Public modules that live in a subpackage, under their old names.
 _MOVED = {

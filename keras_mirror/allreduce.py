@@ -152,8 +152,9 @@ def _all_gather_slices(ctx, slices, wire, options):
     indices = ctx.all_gather(slices.indices, axis=0, options=options)
     lengths = ctx.all_gather(tf.shape(slices.indices)[:1], axis=0,
                              options=options)
-    values, indices = _sparse.join(values, indices, lengths,
-                                   _sparse.static_rows(slices))
+    values, indices = _sparse.join(
+        values, indices, lengths, _sparse.static_rows(slices),
+        unique=_sparse.from_unique(slices.indices))
     if values.dtype != dtype:
         values = tf.cast(values, dtype)
     return tf.IndexedSlices(values, indices, slices.dense_shape)

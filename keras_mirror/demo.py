@@ -169,7 +169,7 @@ def replica_rows(mirrored):
 def _start(replicas):
     """Imports TensorFlow and splits the CPU, hiding native start-up noise."""
     os.environ.setdefault("TF_CPP_MIN_LOG_LEVEL", "2")
-    from keras_mirror import _quiet
+    from keras_mirror.launch import _quiet
 
     with _quiet.native_stderr():
         import keras
@@ -189,7 +189,7 @@ def run(args):
         print(problem, file=sys.stderr)
         return 1
     keras, keras_mirror = _start(args.replicas)
-    from keras_mirror import _rendering
+    from keras_mirror.wrapper import _rendering
 
     keras.utils.set_random_seed(args.seed)
     x_train, x_test, y_train, y_test, _ = _data()

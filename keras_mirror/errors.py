@@ -48,3 +48,8 @@ class BackupDirectoryError(KerasMirrorError, OSError):
 
 class ModelFileError(KerasMirrorError, ValueError):
     """A model file that is empty, truncated or corrupt."""
+
+
+class StrategyScopeError(KerasMirrorError, ValueError):
+    """A `MirroredModel` used inside another `tf.distribute` strategy's
+    scope, or wrapping a model built under another strategy."""

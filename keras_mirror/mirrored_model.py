@@ -6,14 +6,8 @@ import keras
 import tensorflow as tf
 
 from keras_mirror import _compat
-from keras_mirror import _compile
-from keras_mirror import _inputs
-from keras_mirror import _on_batch
-from keras_mirror import _rebuild
-from keras_mirror import _validate
 from keras_mirror import allreduce
-from keras_mirror import saving
-from keras_mirror._replica_attributes import ReplicaAttributes
+from keras_mirror import verify as verify_lib
 from keras_mirror.callbacks import replica_history
 from keras_mirror.callbacks import step_backup
 from keras_mirror.distribute import _homes
@@ -24,13 +18,21 @@ from keras_mirror.steps import _capacity
 from keras_mirror.steps import _execution
 from keras_mirror.steps import dispatch
 from keras_mirror.steps import own_step
+from keras_mirror.wrapper import _compile
+from keras_mirror.wrapper import _files
+from keras_mirror.wrapper import _inputs
+from keras_mirror.wrapper import _on_batch
+from keras_mirror.wrapper import _rebuild
+from keras_mirror.wrapper import _user_model
+from keras_mirror.wrapper import _validate
+from keras_mirror.wrapper._replica_attributes import ReplicaAttributes
 
 BATCH_MODES = ("global", "per_replica")
 NONFINITE_MODES = ("warn", "skip_step", "raise")
 
 
-class MirroredModel(ReplicaAttributes, dispatch.StepDispatch,
-                    keras.Model):
+class MirroredModel(ReplicaAttributes, _user_model.UserModelState,
+                    dispatch.StepDispatch, keras.Model):
     """Trains an existing Keras model data-parallel, exactly.
 
     Wraps any Keras 3 model (Sequential, Functional or subclassed, holding
@@ -96,9 +98,15 @@ class MirroredModel(ReplicaAttributes, dispatch.StepDispatch,
             device or CPU devices of one host, `"strategy"` for GPUs,
             clusters and models with their own `train_step`;
             `mirrored.summary()` says which runs and why.
-        worker_input: str. `"replicate"` (the only mode): every worker reads
+        worker_input: str. `"replicate"` (default): every worker reads
             the full, identical global batch and keeps its replicas' rows of
             the split plan over all replicas (logged at construction).
+            `"shard"`: each worker reads only its share (rows of arrays, or
+            virtual shards of a `tf.data` input), still exact.
+        virtual_shards: int or None. Shards of a `tf.data` input with
+            `worker_input="shard"`, fixed for the run: 1, 2, 3 workers or an
+            elastic restart train on the same batches (docs/multi-worker.md).
+            Default None: `KERAS_MIRROR_VIRTUAL_SHARDS`, else the workers.
         replica_stats: bool. Whether each training step computes the
             per-replica statistics (`replica_loss`, `replica_samples`,
             `replica_sample_weight`, `replica_grad_norm`,
@@ -128,11 +136,13 @@ class MirroredModel(ReplicaAttributes, dispatch.StepDispatch,
     ```
     """
 
+    _keras_mirror_wrapper = True  # `_rebuild.check_not_wrapped` reads it
+
     def __init__(self, model, devices=None, batch="global",
                  on_nonfinite="warn", gradient_dtype=None, bytes_per_pack=0,
                  communication="auto", timeout_seconds=None, cluster=None,
                  worker_input="replicate", execution="auto",
-                 replica_stats=True, name=None):
+                 replica_stats=True, name=None, virtual_shards=None):
         _compat.check_keras_version()
         _compat.check_backend()
         _rebuild.check_no_outer_scope(model)
@@ -160,6 +170,8 @@ class MirroredModel(ReplicaAttributes, dispatch.StepDispatch,
         resolved = devices_lib.resolve_devices(devices)
         spec = _multi_worker.cluster_spec(cluster)
         _multi_worker.check_worker_input(worker_input, spec)
+        virtual_shards = _worker_input.check_virtual_shards(
+            virtual_shards, worker_input, spec)
         if spec is not None:
             # Built before the model: TF must not initialise first.
             _execution.check(execution, "a multi-worker cluster")
@@ -167,6 +179,7 @@ class MirroredModel(ReplicaAttributes, dispatch.StepDispatch,
         original = _rebuild.build_original(model)
         _rebuild.check_weights_exist(original)
         _rebuild.check_not_stateful(original, len(resolved), spec)
+        _rebuild.check_no_foreign_variables(original)
         synchronized = tuple(_rebuild.synchronized_layers(original))
         execution, reason = _execution.pick(
             execution, resolved, spec, own_step.has_custom_step(original),
@@ -189,6 +202,7 @@ class MirroredModel(ReplicaAttributes, dispatch.StepDispatch,
         self._multi_worker = spec is not None
         self._cluster = spec
         self._worker_input = worker_input
+        self._virtual_shards = virtual_shards
         # The user's own model object trains: no copy, no config round trip.
         self._inner = original
         object.__setattr__(self, "_homes", (
@@ -232,14 +246,16 @@ class MirroredModel(ReplicaAttributes, dispatch.StepDispatch,
 
     # -- Keras training API ------------------------------------------------
 
+    @_rebuild.outside_other_strategies
     def fit(self, x=None, y=None, batch_size=None, epochs=1, verbose="auto",
             callbacks=None, validation_data=None, steps_per_epoch=None,
             **kwargs):
         """Trains as `keras.Model.fit`, with the input split per replica."""
         _compile.follow(self)
         _compile.require_compiled(self, "fit")
+        x = _worker_input.virtual_input(self, x, y, batch_size)
         _validate.check_fit_inputs(self, x, y, batch_size, steps_per_epoch,
-                                   kwargs.get("sample_weight"))
+                                   kwargs, epochs, callbacks)
         x, batch_size = _capacity.adapt_input(self, x, batch_size)
         if validation_data is not None and isinstance(
                 validation_data, (tf.data.Dataset, keras.utils.PyDataset)):
@@ -256,7 +272,7 @@ class MirroredModel(ReplicaAttributes, dispatch.StepDispatch,
         callbacks = replica_history.callback_list(self, callbacks, verbose,
                                                   epochs, steps)
         backup = step_backup.find(callbacks)
-        with self._homes.mirrored():
+        with self._homes.mirrored(), _user_model.saves_through(self):
             if backup is not None:
                 return backup.resume_fit(
                     self, super().fit, x, y, batch_size, epochs,
@@ -268,27 +284,34 @@ class MirroredModel(ReplicaAttributes, dispatch.StepDispatch,
                 callbacks=callbacks, validation_data=validation_data,
                 steps_per_epoch=steps_per_epoch, **kwargs)
 
+    @_rebuild.outside_other_strategies
     def evaluate(self, x=None, y=None, batch_size=None, **kwargs):
         """Evaluates as `keras.Model.evaluate`, with exact global metrics."""
         _compile.follow(self)
         _compile.require_compiled(self, "evaluate")
         if not kwargs.get("_use_cached_eval_dataset"):
             x, batch_size = _capacity.adapt_input(self, x, batch_size)
-            _validate.check_inputs(self, x, y, kwargs.get("sample_weight"))
+            _validate.check_inputs(self, x, y, kwargs.get("sample_weight"),
+                                   batch_size=batch_size)
             _compile.ensure_built(self, x, y, kwargs.get("sample_weight"))
-        with self._homes.mirrored():
+            replica_history.route_test_callbacks(self, x, batch_size, kwargs)
+        with self._homes.mirrored(), _user_model.saves_through(self):
             return super().evaluate(x, y, batch_size=batch_size, **kwargs)
 
+    @_rebuild.outside_other_strategies
     def predict(self, x, batch_size=None, **kwargs):
         """Predicts as `keras.Model.predict`; rows keep the input order."""
         _compile.follow(self)
+        _validate.check_predict_inputs(x, batch_size)
         x, batch_size = _capacity.adapt_input(self, x, batch_size)
         if not self._inner.built:
             _rebuild.build_from_batch(self._inner, _inputs.first_x(x))
             self._homes.refresh()
-        with self._homes.mirrored():
+        replica_history.route_test_callbacks(self, x, batch_size, kwargs)
+        with self._homes.mirrored(), _user_model.saves_through(self):
             return super().predict(x, batch_size=batch_size, **kwargs)
 
+    @_rebuild.outside_other_strategies
     def train_on_batch(self, x, y=None, sample_weight=None, **kwargs):
         """Runs one exact step on one global batch."""
         _compile.follow(self)
@@ -301,6 +324,7 @@ class MirroredModel(ReplicaAttributes, dispatch.StepDispatch,
                 super().train_on_batch, x, y, sample_weight=sample_weight,
                 **kwargs))
 
+    @_rebuild.outside_other_strategies
     def test_on_batch(self, x, y=None, sample_weight=None, **kwargs):
         """Evaluates one global batch exactly."""
         _compile.follow(self)
@@ -309,9 +333,11 @@ class MirroredModel(ReplicaAttributes, dispatch.StepDispatch,
         _capacity.on_batch(self, x)
         _compile.ensure_built(self, x, y, sample_weight)
         with self._homes.mirrored():
-            return super().test_on_batch(x, y, sample_weight=sample_weight,
-                                         **kwargs)
+            return _on_batch.plain(self, "test", functools.partial(
+                super().test_on_batch, x, y, sample_weight=sample_weight,
+                **kwargs))[0]
 
+    @_rebuild.outside_other_strategies
     def predict_on_batch(self, x):
         """Predicts one global batch; rows keep the input order."""
         _compile.follow(self)
@@ -321,6 +347,10 @@ class MirroredModel(ReplicaAttributes, dispatch.StepDispatch,
             self._homes.refresh()
         with self._homes.mirrored():
             return super().predict_on_batch(x)
+
+    def verify(self, x, y=None, batch_size=None, steps=3, **kwargs):
+        """`steps` steps here and on one device: a `VerifyReport`."""
+        return verify_lib.verify(self, x, y, batch_size, steps, **kwargs)
 
     # -- the user's model and saving ----------------------------------------
 
@@ -345,7 +375,7 @@ class MirroredModel(ReplicaAttributes, dispatch.StepDispatch,
                 f"Received: filepath={filepath!r}")
         if not self.is_chief:
             return  # Only the chief writes; saving has no collective.
-        saving.write_atomically(self._inner.save, filepath, overwrite,
+        _files.write_atomically(self._inner.save, filepath, overwrite,
                                 **kwargs)
 
     def save_weights(self, filepath, overwrite=True, **kwargs):
@@ -361,11 +391,12 @@ class MirroredModel(ReplicaAttributes, dispatch.StepDispatch,
                 f"Received: filepath={filepath!r}")
         if not self.is_chief:
             return  # Only the chief writes; saving has no collective.
-        saving.write_atomically(self._inner.save_weights, filepath,
+        _files.write_atomically(self._inner.save_weights, filepath,
                                 overwrite, **kwargs)
 
     def load_weights(self, filepath, skip_mismatch=False, **kwargs):
-        """Loads `.weights.h5` weights into the wrapped model (all replicas).
+        """Loads `.weights.h5` weights into the wrapped model (all replicas):
+        every shape is checked first, and nothing changes unless all fit.
         """
         filepath = str(filepath)
         if not filepath.endswith(".weights.h5"):
@@ -373,9 +404,7 @@ class MirroredModel(ReplicaAttributes, dispatch.StepDispatch,
                 "`filepath` must end in `.weights.h5`; full models load with "
                 "`keras.saving.load_model(..., safe_mode=True)`. "
                 f"Received: filepath={filepath!r}")
-        saving.check_weights_file(filepath)
-        self._inner.load_weights(filepath, skip_mismatch=skip_mismatch,
-                                 **kwargs)
+        _files.load_weights(self._inner, filepath, skip_mismatch, **kwargs)
 
     def export(self, filepath, format="tf_saved_model", **kwargs):
         """Exports the wrapped model for inference, as `keras.Model.export`.
@@ -389,7 +418,7 @@ class MirroredModel(ReplicaAttributes, dispatch.StepDispatch,
         in their column); the wrapped model's `summary` follows, with the
         same arguments (`line_length`, `print_fn`, ...).
         """
-        from keras_mirror import _rendering
+        from keras_mirror.wrapper import _rendering
 
         _rendering.summary_header(self, kwargs)
         self._inner.summary(*args, **kwargs)

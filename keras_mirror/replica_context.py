@@ -38,19 +38,24 @@ class ReplicaContext:
             `num_replicas - 1`, in split-plan order.
         num_replicas: int. Replicas in sync.
         shard_size: int, scalar int32 tensor or None. Rows of the global
-            batch that this replica holds, `b_r` (may be 0).
+            batch that this replica holds, `b_r` (may be 0: an empty shard
+            runs one stand-in row, the global batch's first, so that no
+            kernel sees 0 rows; it counts for nothing: share 0, no metric
+            update, 0 in `all_reduce_sum`, left out of synchronized
+            BatchNorm's statistics).
         global_batch_size: int, scalar int32 tensor or None. Rows of the
             global batch, `B`.
         share: float or scalar float32 tensor. `b_r / B` (0 for an empty
             shard; 1 outside `MirroredModel`).
         offset: int, scalar int32 tensor or None. The replica's first row
-            in the global batch (0 outside `MirroredModel`).
+            in the global batch (0 outside `MirroredModel`, and for an
+            empty shard, whose stand-in row is the global batch's first).
 
     On the `"in_graph"` execution path (see `MirroredModel`) the replicas'
     forward passes are traced one after the other into one graph, so a
     replica cannot wait for the others: `replica_id` is a Python int and the
-    two reductions raise `RuntimeError`. Models with their own `train_step`
-    always run on the `"strategy"` path, where both work.
+    two reductions and `all_gather` raise `RuntimeError`. Models with their
+    own `train_step` always run on the `"strategy"` path, where all work.
 
     Example:
 
@@ -65,8 +70,12 @@ class ReplicaContext:
 
     def __init__(self, replica_id, num_replicas, shard_size,
                  global_batch_size, distributed=False, options=None,
-                 gradient_dtype=None, reduce_error=None, offset=None):
+                 gradient_dtype=None, reduce_error=None, offset=None,
+                 shares_after_gradient=False):
         self.replica_id = replica_id
+        # A model's own step: each replica's gradients are weighted by its
+        # share when applied (`own_step`), not its loss before.
+        self._shares_after_gradient = shares_after_gradient
         self.offset = offset
         self.num_replicas = num_replicas
         self.shard_size = shard_size
@@ -78,6 +87,11 @@ class ReplicaContext:
         if distributed:
             import tensorflow as tf
 
+            if offset is not None and shard_size is not None:
+                # An empty shard's stand-in row is the global batch's first.
+                self.offset = tf.where(
+                    tf.cast(shard_size, tf.int32) > 0,
+                    tf.cast(offset, tf.int32), 0)
             self.share = tf.math.divide_no_nan(
                 tf.cast(shard_size, tf.float32),
                 tf.cast(global_batch_size, tf.float32))
@@ -127,11 +141,87 @@ class ReplicaContext:
 
         return self.all_reduce_sum(tf.nest.map_structure(self.weight, value))
 
+    def all_gather(self, value):
+        """The global batch's rows of `value`: every replica's, in order.
+
+        `value` has this replica's rows (`shard_size`, leading dimension);
+        the result has the global batch's `global_batch_size` rows, replica
+        0's first, the same on every replica: what one device computes on
+        the whole batch. Differentiable: the gradient of each replica's
+        loss with respect to the gathered rows is summed over replicas and
+        each replica keeps its own rows' part, so a loss over the gathered
+        rows (in-batch negatives, a contrastive loss) trains as on one
+        device, for uneven and empty shards too. Outside `MirroredModel`,
+        `value` itself. Not available on the `"in_graph"` path.
+
+        Example:
+
+        ```python
+        z = keras_mirror.replica_context().all_gather(embeddings)
+        logits = ops.matmul(embeddings, ops.transpose(z))  # global negatives
+        ```
+        """
+        if not self.distributed:
+            return value
+        if self._reduce_error is not None:
+            raise RuntimeError(_NO_GATHER)
+        return _gather(self, value)
+
     def __repr__(self):
         return (f"ReplicaContext(replica_id={self.replica_id}, "
                 f"num_replicas={self.num_replicas}, "
                 f"shard_size={self.shard_size}, "
                 f"global_batch_size={self.global_batch_size})")
+
+
+_NO_GATHER = (
+    "`replica_context().all_gather` is not available on the 'in_graph' "
+    "execution path: its replicas are traced one after the other into one "
+    "graph, so a replica cannot read the rows of the replicas traced after "
+    "it. Use `MirroredModel(..., execution='strategy')`. Received: "
+    "execution='in_graph'")
+
+
+def _gather(context, value):
+    """`all_gather` with its gradient routed back to each replica's rows."""
+    import tensorflow as tf
+
+    value = tf.convert_to_tensor(value)
+    ctx = tf.distribute.get_replica_context()
+    options = context._options
+
+    def gather(t):
+        return ctx.all_gather(t, axis=0, options=options)
+
+    # An empty shard runs a stand-in row (`steps/_stand_in.py`): it gives
+    # no rows, and gets a zero gradient.
+    rows = tf.cast(context.shard_size, tf.int32)
+    run_rows = tf.shape(value)[0]
+    if not value.dtype.is_floating:
+        return gather(value[:rows])
+    offset = tf.cast(context.offset, tf.int32)
+    share = tf.cast(context.share, value.dtype)
+
+    @tf.custom_gradient
+    def differentiable(t):
+        def grad(upstream):
+            upstream = tf.convert_to_tensor(upstream)
+            if context._shares_after_gradient:
+                # Weighted as the replica's loss would be, then unweighted:
+                # its own step's gradients get its share when applied.
+                upstream = context.weight(upstream)
+            total = ctx.all_reduce(tf.distribute.ReduceOp.SUM, upstream,
+                                   options=options)
+            mine = total[offset:offset + rows]
+            if context._shares_after_gradient:
+                mine = tf.math.divide_no_nan(mine, share)
+            stand_in = tf.zeros(tf.concat(
+                [[run_rows - rows], tf.shape(mine)[1:]], 0), mine.dtype)
+            return tf.concat([mine, stand_in], axis=0)
+
+        return gather(t[:rows]), grad
+
+    return differentiable(value)
 
 
 def replica_context(batch_size=None):

@@ -12,102 +12,23 @@ off process-wide (`keras.config.enable_unsafe_deserialization`).
 import builtins
 import json
 import os
+import posixpath
 import zipfile
 import zlib
 
-import h5py
 import keras
 
 from keras_mirror import _compat
 from keras_mirror import errors
+from keras_mirror.wrapper._files import check_weights_file as check_weights_file
+from keras_mirror.wrapper._files import fsync as fsync
+from keras_mirror.wrapper._files import load_weights as load_weights
+from keras_mirror.wrapper._files import write_atomically as write_atomically
 
 # Packages whose objects Keras itself resolves by module in safe mode.
 _TRUSTED_PACKAGES = ("keras", "keras_hub", "keras_cv", "keras_nlp")
 _CONFIG = "config.json"
 _MAX_DEPTH = 100
-
-
-def write_atomically(save, filepath, overwrite=True, **kwargs):
-    """Runs `save(temporary, overwrite=True, **kwargs)`, then renames.
-
-    The temporary file sits in `filepath`'s directory (same file system),
-    is synced to disk and replaces `filepath` with `os.replace`, so that a
-    process killed at any moment leaves the previous file or the new one,
-    never a partial file or none. Temporaries of earlier killed saves of the
-    same file are removed first. With `overwrite=False` and an existing
-    file, Keras's own prompt decides (and writes in place).
-    """
-    path = _check_save_path(filepath)
-    if not overwrite and os.path.exists(path):
-        return save(path, overwrite=False, **kwargs)
-    directory, base = os.path.split(os.path.abspath(path))
-    extension = ".weights.h5" if base.endswith(".weights.h5") else \
-        os.path.splitext(base)[1]
-    prefix = f".{base}."
-    for name in os.listdir(directory):
-        if name.startswith(prefix) and name.endswith(".tmp" + extension):
-            _remove_quietly(os.path.join(directory, name))
-    temporary = os.path.join(directory,
-                             f"{prefix}{os.getpid()}.tmp{extension}")
-    try:
-        save(temporary, overwrite=True, **kwargs)
-        _fsync(temporary)
-        os.replace(temporary, path)
-    except BaseException:
-        _remove_quietly(temporary)
-        raise
-    _fsync(directory)
-
-
-def check_weights_file(filepath):
-    """A `.weights.h5` file must exist and open as HDF5 (not truncated)."""
-    if not os.path.isfile(filepath):
-        raise FileNotFoundError(
-            "`filepath` must name an existing `.weights.h5` file. "
-            f"Received: filepath={filepath!r}")
-    try:
-        h5py.File(filepath, "r").close()
-    except OSError as e:
-        raise errors.ModelFileError(
-            "`filepath` must be a complete `.weights.h5` file, but it "
-            f"cannot be opened ({e}); it is empty, truncated or corrupt. "
-            "Save the weights again or load an earlier copy. "
-            f"Received: filepath={filepath!r}") from None
-
-
-def _check_save_path(filepath):
-    path = os.fspath(filepath)
-    if os.path.isdir(path):
-        raise IsADirectoryError(
-            "`filepath` must name a file, not a directory. "
-            f"Received: filepath={filepath!r}")
-    directory = os.path.dirname(os.path.abspath(path))
-    if not os.path.isdir(directory):
-        raise FileNotFoundError(
-            f"`filepath` must be in an existing directory; {directory!r} "
-            "does not exist (create it first, e.g. with "
-            f"`os.makedirs`). Received: filepath={filepath!r}")
-    return path
-
-
-def _fsync(path):
-    try:
-        fd = os.open(path, os.O_RDONLY)
-    except OSError:
-        return
-    try:
-        os.fsync(fd)
-    except OSError:
-        pass
-    finally:
-        os.close(fd)
-
-
-def _remove_quietly(path):
-    try:
-        os.remove(path)
-    except OSError:
-        pass
 
 
 def _check_path(filepath):
@@ -155,6 +76,7 @@ def _read_config(path):
             bad = archive.testzip()
             if bad is not None:
                 raise zipfile.BadZipFile(f"bad CRC-32 for {bad!r}")
+            _check_members(archive.namelist(), path)
             if _CONFIG not in archive.namelist():
                 raise errors.UnsafeModelError(
                     f"`filepath` must be a `.keras` archive with a "
@@ -179,6 +101,27 @@ def _read_config(path):
             f"`filepath` holds a `{_CONFIG}` that is not valid JSON "
             f"({e}). Received: filepath={path!r}"
         ) from None
+
+
+def _leaves_archive(name):
+    """Whether an archive member's name points outside the archive."""
+    name = name.replace("\\", "/")
+    if name.startswith("/") or (len(name) > 1 and name[1] == ":"):
+        return True
+    normal = posixpath.normpath(name)
+    return normal == ".." or normal.startswith("../")
+
+
+def _check_members(names, path):
+    """Refuses archive members named outside the archive (path traversal),
+    before Keras extracts anything."""
+    for name in names:
+        if _leaves_archive(name):
+            raise errors.UnsafeModelError(
+                f"`filepath` holds the archive member {name!r}, whose name "
+                "leaves the archive (an absolute path or `..`): extracting "
+                "it could write anywhere, so keras-mirror refuses the "
+                f"file. Received: filepath={path!r}")
 
 
 def _depth(config):

@@ -20,6 +20,10 @@ sys.path.insert(0, os.path.join(ROOT, "benchmarks"))
 
 import netns  # noqa: E402
 
+# Starts worker processes on ports (or namespaces): one xdist worker runs
+# every such test, one after another (`--dist loadgroup`, setup.cfg).
+pytestmark = pytest.mark.xdist_group("processes")
+
 SCRIPT = os.path.join(ROOT, "benchmarks", "bench_network.py")
 TIMEOUT = 240
 LAST_LINE = re.compile(

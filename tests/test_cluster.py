@@ -230,6 +230,7 @@ def test_errors_are_value_errors():
         cluster_lib.parse_cluster("[]")
 
 
+@pytest.mark.xdist_group("processes")
 def test_port_in_use():
     with socket.socket() as sock:
         sock.bind(("127.0.0.1", 0))

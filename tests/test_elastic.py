@@ -19,6 +19,10 @@ from test_multi_worker import assert_equal_single_device
 
 from keras_mirror import launch as launch_lib
 
+# Starts worker processes on ports (or namespaces): one xdist worker runs
+# every such test, one after another (`--dist loadgroup`, setup.cfg).
+pytestmark = pytest.mark.xdist_group("processes")
+
 
 @pytest.mark.timeout(280)
 def test_group_shrinks_after_a_worker_dies_for_good_and_stays_exact(

@@ -230,6 +230,33 @@ def test_synchronized_batch_norm_is_exact_with_empty_shards(cpus):
     _assert_logs(logs1, logs2)
 
 
+def resnet_block(synchronized=True):
+    """keras.io ResNet shape: a MaxPool stem, a residual block with BN.
+
+    An empty replica's MaxPool on 0 rows aborts the process with oneDNN on
+    (heap corruption, `benchmarks/results/shard_shapes/findings.md`).
+    """
+    inputs = keras.Input((8, 8, 3))
+    x = layers.MaxPooling2D()(layers.Conv2D(4, 3, padding="same")(inputs))
+    y = layers.Conv2D(4, 3, padding="same")(x)
+    y = layers.BatchNormalization(synchronized=synchronized)(y)
+    y = layers.Conv2D(4, 3, padding="same")(layers.ReLU()(y))
+    y = layers.BatchNormalization(synchronized=synchronized)(y)
+    x = layers.ReLU()(layers.add([x, y]))
+    outputs = layers.Dense(3)(layers.GlobalAveragePooling2D()(x))
+    return keras.Model(inputs, outputs), dict(
+        loss=keras.losses.SparseCategoricalCrossentropy(from_logits=True),
+        metrics=["accuracy"]), _images(11), _classes(11, 3)
+
+
+def test_a_resnet_with_maxpool_and_synchronized_batch_norm(cpus):
+    single, _, logs1, _ = _train(resnet_block, wrap=False)
+    model, mirrored, logs2, _ = _train(resnet_block, wrap=True)
+    assert mirrored.execution == "strategy"
+    _assert_same_weights(single, model)
+    _assert_logs(logs1, logs2)
+
+
 def test_plain_batch_norm_with_empty_shards_keeps_replica_0s_state(cpus):
     """Plain BatchNorm: each shard's statistics, replica 0's moving ones.
 

@@ -20,12 +20,15 @@ import numpy as np
 import pytest
 import tensorflow as tf
 from helpers import own_step_model
+from test_error_paths import REFUSALS
+from test_error_paths import trained
 
 import keras_mirror
 from keras_mirror import cluster
 from keras_mirror import errors
 from keras_mirror import launch
 from keras_mirror import saving
+from keras_mirror.callbacks.step_backup import StepBackup
 from keras_mirror.distribute import _worker_input
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
@@ -82,6 +85,16 @@ class _RootSumSquare(keras.losses.Loss):
         return keras.ops.sqrt(keras.ops.sum(keras.ops.square(y_true - y_pred)))
 
 
+class _ZeroSum(keras.losses.Loss):
+    """0 on the targets `Y` (ones), whatever the predictions."""
+
+    def __init__(self):
+        super().__init__(name="zero_sum")
+
+    def call(self, y_true, y_pred):
+        return keras.ops.sum((1.0 - y_true) * y_pred)
+
+
 class _RootAddLoss(keras.layers.Layer):
     def call(self, x):
         self.add_loss(keras.ops.sqrt(keras.ops.sum(keras.ops.square(x))))
@@ -104,6 +117,27 @@ def _shard_shuffled(cpus):
         local_replica_ids=(0, 1), num_replicas=4, devices=("a", "b"),
         batch_mode="global", worker_input="shard", num_workers=2))
     return _worker_input.shard_fit_input(worker, X, Y, 8, {})
+
+
+def _records(files, shuffle=False):
+    """A TFRecord pipeline over `files` files of 4 rows, in the cwd."""
+    names = []
+    for i in range(files):
+        names.append(f"part-{i}.tfrecord")
+        with tf.io.TFRecordWriter(names[-1]) as writer:
+            for _ in range(4):
+                writer.write(tf.io.serialize_tensor(X[0]).numpy())
+    ds = tf.data.TFRecordDataset(names).map(
+        lambda r: (tf.ensure_shape(tf.io.parse_tensor(r, tf.float32), [3]),
+                   tf.ones([1])))
+    return (ds.shuffle(4) if shuffle else ds).batch(8)
+
+
+def _sharded_fit(cpus, files=8, shuffle=False, virtual_shards=4, ds=None):
+    mirrored = _mirrored(cpus, worker_input="shard",
+                         virtual_shards=virtual_shards)
+    tf.random.set_seed(None)  # else TF derives a seed for `shuffle`
+    mirrored.fit(_records(files, shuffle) if ds is None else ds, verbose=0)
 
 
 def _tf_config(text):
@@ -188,6 +222,20 @@ def _builtins_eval_keras():
     return _keras_with_config(json.dumps(config))
 
 
+def _stateful(cpus):
+    keras_mirror.MirroredModel(keras.Sequential([
+        keras.Input((5, 3), batch_size=8),
+        keras.layers.LSTM(2, stateful=True, name="lstm")]), devices=cpus)
+
+
+def _optimizer_replaced(cpus):
+    model = _seq()
+    model.compile(optimizer="sgd", loss="mse")
+    mirrored = keras_mirror.MirroredModel(model, devices=cpus)
+    model.optimizer = keras.optimizers.Adam()
+    mirrored.fit(X, Y, verbose=0)
+
+
 def _in_scope(cpus):
     with tf.distribute.OneDeviceStrategy(cpus[0]).scope():
         keras_mirror.MirroredModel(_seq(), cpus)
@@ -200,6 +248,18 @@ def _ragged_x():
 def _make_dir_and_save(cpus):
     os.mkdir("folder.keras")
     _mirrored(cpus).save("folder.keras")
+
+
+class _Gather(keras.layers.Layer):
+    def call(self, x):
+        return keras_mirror.replica_context().all_gather(x)
+
+
+def _gather_in_graph(cpus):
+    model = keras.Sequential([keras.Input((3,)), _Gather(),
+                              keras.layers.Dense(1)])
+    _fit(cpus, X, Y, batch_size=8, mirrored_kwargs=dict(
+        model=model, execution="in_graph"))
 
 
 CASES = {
@@ -234,7 +294,15 @@ CASES = {
         lambda cpus: _fit(cpus, X, Y, batch_size=4,
                           mirrored_kwargs={"loss": _RootSumSquare()}),
         errors.LossReductionError,
-        r"the compiled loss is neither .*Received: loss=root_sum_square"),
+        r"The loss of output 'root_sum_square' is neither .*Received: "
+        r"loss=root_sum_square for output 'root_sum_square'"),
+    "loss_undecidable": Case(
+        "loss", "a Loss that is 0 on the first batch",
+        lambda cpus: _fit(cpus, X, Y, batch_size=4,
+                          mirrored_kwargs={"loss": _ZeroSum()}),
+        errors.LossReductionError,
+        r"The loss of output 'zero_sum' is undecidable: it is 0 or not "
+        r"finite .*Received: loss=zero_sum for output 'zero_sum'"),
     "add_loss_neither_sum_nor_mean": Case(
         "add_loss", "add_loss(sqrt(batch sum)) in a layer",
         lambda cpus: _fit(cpus, X, Y, batch_size=4,
@@ -489,6 +557,40 @@ CASES = {
         _shard_shuffled, ValueError,
         r"`worker_input='shard'` needs `shuffle=False`.*Received: "
         r"shuffle=True"),
+    "virtual_shards_files": Case(
+        "virtual_shards", "4, over a pipeline reading 2 files",
+        lambda cpus: _sharded_fit(cpus, files=2), ValueError,
+        r"`virtual_shards` must be at most the number of files the pipeline "
+        r"reads \(2\).*Received: virtual_shards=4"),
+    "virtual_shards_batch": Case(
+        "virtual_shards", "16, over a pipeline of `batch(8)` on 16 files",
+        lambda cpus: _sharded_fit(cpus, files=16, virtual_shards=16),
+        ValueError, r"`virtual_shards` must be at most the pipeline's batch "
+        r"size \(8\).*Received: virtual_shards=16"),
+    "virtual_shards_unshardable": Case(
+        "worker_input",
+        "a `from_tensor_slices` pipeline with worker_input='shard'",
+        lambda cpus: _sharded_fit(cpus, ds=_ds(X, Y, batch=8)), ValueError,
+        r"`worker_input='shard'` shards a `tf.data` pipeline by the files "
+        r"it reads.*Received: a pipeline without a file reader or "
+        r"`SHARD_HINT`"),
+    "virtual_shards_shuffle": Case(
+        "shuffle",
+        "a pipeline with `shuffle(4)` (no seed), worker_input='shard'",
+        lambda cpus: _sharded_fit(cpus, shuffle=True), ValueError,
+        r"`worker_input='shard'` needs a `seed` on every `shuffle`.*"
+        r"Received: a pipeline with 1 `shuffle` without a seed"),
+    "virtual_shards_replicate": Case(
+        "virtual_shards", "2 with worker_input='replicate'",
+        lambda cpus: _mirrored(cpus, virtual_shards=2), ValueError,
+        r"`virtual_shards` needs `worker_input='shard'`.*Received: "
+        r"worker_input='replicate'"),
+    "virtual_shards_workers": Case(
+        "virtual_shards", "2 on a cluster of 3 workers",
+        lambda cpus: _worker_input.check_virtual_shards(
+            2, "shard", type("Spec", (), {"num_workers": 3})), ValueError,
+        r"`virtual_shards` must be at least the number of workers \(3\).*"
+        r"Received: virtual_shards=2"),
     "cluster_resolver_task": Case(
         "cluster", "a ClusterResolver without task_type",
         _unassigned_resolver, errors.ClusterConfigError,
@@ -653,13 +755,107 @@ CASES = {
         errors.ModelFileError, r"`filepath` must be a complete "
         r"`.weights.h5` file, but it cannot be opened .*it is empty, "
         r"truncated or corrupt.*Received: filepath='w.weights.h5'"),
+    "stateful_rnn": Case(
+        "stateful", "LSTM(stateful=True) over 4 replicas", _stateful,
+        ValueError, r"cannot split a stateful RNN over 4 replicas.*"
+        r"Received: model with stateful layers \['lstm'\] and 4 replicas"),
+    "optimizer_replaced": Case(
+        "optimizer", "model.optimizer = Adam() after compile, no recompile",
+        _optimizer_replaced,
+        ValueError, r"The wrapped model's `optimizer` was replaced after it "
+        r"was compiled.*Received: model.optimizer="),
     "created_in_strategy_scope": Case(
         "MirroredModel", "created inside OneDeviceStrategy.scope()",
         _in_scope,
         ValueError, r"`MirroredModel` must be created outside any "
         r"`tf.distribute.Strategy.scope\(\)`.*Received: a MirroredModel "
         r"created inside OneDeviceStrategy.scope\(\)"),
+    # -- issue 24: verify, all_gather ----------------------------------------
+    "verify_steps": Case(
+        "steps", "0 in `verify`",
+        lambda cpus: _mirrored(cpus).verify(X, Y, steps=0),
+        ValueError, r"`steps` must be a positive integer\. "
+        r"Received: steps=0"),
+    "verify_fit_argument": Case(
+        "epochs", "epochs=2 in `verify`",
+        lambda cpus: _mirrored(cpus).verify(X, Y, epochs=2),
+        ValueError, r"`verify` runs `steps` steps of one epoch.*`epochs` is "
+        r"its own.*Received: epochs=2"),
+    "verify_tolerance": Case(
+        "tolerance", "-1 in `verify`",
+        lambda cpus: _mirrored(cpus).verify(X, Y, tolerance=-1),
+        ValueError, r"`tolerance` must be a non-negative number\. "
+        r"Received: tolerance=-1"),
+    "all_gather_in_graph": Case(
+        "execution", "'in_graph' with `replica_context().all_gather`",
+        _gather_in_graph,
+        RuntimeError, r"`replica_context\(\).all_gather` is not available "
+        r"on the 'in_graph' execution path.*Received: execution='in_graph'"),
 }
+
+
+# -- issue 23: hostile files and impossible backups ------------------------
+
+def _traversal_keras():
+    path = _saved_keras()
+    with zipfile.ZipFile(path, "a") as archive:
+        archive.writestr("assets/../../../../x/e.txt", "escaped")
+    return path
+
+
+def _partial_weights(cpus):
+    mirrored, _ = trained(cpus)
+    keras.Sequential([keras.Input((3,)), keras.layers.Dense(4),
+                      keras.layers.Dense(2)]).save_weights("w.weights.h5")
+    mirrored.load_weights("w.weights.h5")
+
+
+def _impossible_backup(cpus):
+    mirrored, _ = trained(cpus)
+    writer = StepBackup("backup")
+    writer.set_model(mirrored)
+    writer.save(-1, 3)
+    mirrored.fit(X, Y, batch_size=2, epochs=2, verbose=0, shuffle=False,
+                 callbacks=[StepBackup("backup")])
+
+
+def _built_in_other_strategy(cpus):
+    with tf.distribute.MirroredStrategy(cpus[:2]).scope():
+        model = _seq()
+    keras_mirror.MirroredModel(model, cpus)
+
+
+def _refusal(refusal):
+    return lambda cpus: refusal.make(*trained(cpus, refusal.kind))
+
+
+CASES.update({
+    "load_model_path_traversal": Case(
+        "filepath", "a `.keras` archive with a member "
+        "'assets/../../../../x/e.txt'", lambda cpus: saving.load_model(
+            _traversal_keras()), errors.UnsafeModelError,
+        r"`filepath` holds the archive member 'assets/../../../../x/e.txt', "
+        r"whose name leaves the archive.*Received: filepath='m.keras'"),
+    "load_weights_partial_mismatch": Case(
+        "filepath", "weights whose first layer fits and second does not",
+        _partial_weights, ValueError,
+        r"`filepath` holds weights that do not fit this model: .* has shape "
+        r"\(4, 2\) in the file and \(4, 1\) in the model\. Nothing was "
+        r"loaded\..*Received: filepath='w.weights.h5'"),
+    "step_backup_position": Case(
+        "backup_dir", "a backup at position [-1, 3]", _impossible_backup,
+        errors.StepBackupError,
+        r"The step backup 'backup/step_backup.npz' holds the position "
+        r"\[-1, 3\] \(epoch, step\), which this run cannot reach: the "
+        r"epoch must be in \[0, 2\].*Received: backup_dir='backup'"),
+    "model_built_in_other_strategy": Case(
+        "model", "built inside MirroredStrategy.scope()",
+        _built_in_other_strategy, errors.StrategyScopeError,
+        r"`model` must be built outside any `tf.distribute` strategy.*"
+        r"Received: model='sequential.*' with MirroredVariables"),
+})
+CASES.update({name: Case(r.argument, r.value, _refusal(r), r.error, r.match)
+              for name, r in REFUSALS.items()})
 
 
 def _built_by_build():
@@ -702,6 +898,7 @@ def test_docs_table_lists_every_case():
 
 def test_errors_subclass_builtins():
     assert issubclass(errors.DeviceError, ValueError)
+    assert issubclass(errors.StrategyScopeError, ValueError)
     assert issubclass(errors.UnsafeModelError, ValueError)
     assert issubclass(errors.NonFiniteError, FloatingPointError)
     assert issubclass(errors.ClusterConfigError, ValueError)

@@ -52,3 +52,11 @@ def test_custom_loss_example_is_exact(label, request):
 @pytest.fixture(scope="module")
 def _custom_loss_output():
     return _run("custom_loss.py", "--epochs", "1")
+
+
+def test_contrastive_example_is_exact_with_all_gather():
+    stdout = _run("contrastive.py", "--epochs", "1")
+    exact = stdout.split("max weight difference with all_gather:")[1]
+    local = stdout.split("max weight difference, shard-local negatives:")[1]
+    assert float(exact.split()[0]) < 1e-5
+    assert float(local.split()[0]) > 1e-2

@@ -1,4 +1,4 @@
-"""`keras_mirror._inputs`: batches for building, without reading the input."""
+"""`wrapper._inputs`: batches for building, without reading the input."""
 
 import keras
 import numpy as np
@@ -9,7 +9,7 @@ from helpers import max_diff
 from helpers import mlp
 
 import keras_mirror
-from keras_mirror import _inputs
+from keras_mirror.wrapper import _inputs
 
 
 def _counting(dataset):

@@ -21,6 +21,10 @@ from keras_mirror import launch as launch_lib
 from keras_mirror.launch import _ports
 from keras_mirror.launch import _supervise
 
+# Starts worker processes on ports (or namespaces): one xdist worker runs
+# every such test, one after another (`--dist loadgroup`, setup.cfg).
+pytestmark = pytest.mark.xdist_group("processes")
+
 WORKERS = pathlib.Path(__file__).parent / "workers"
 TOY = [sys.executable, str(WORKERS / "toy_worker.py")]
 MWMS = [sys.executable, str(WORKERS / "mwms_worker.py")]
@@ -407,3 +411,56 @@ def test_group_shrinks_then_grows_back_after_a_preemption(monkeypatch):
     code = launch_lib.launch(["python", "x.py"], 3, max_restarts=2,
                              min_workers=2)
     assert (code, sizes) == (0, [3, 3, 2, 3])
+
+
+def _helper_pids(text):
+    return [int(p) for p in re.findall(r"helper pid=(\d+)", text)]
+
+
+@pytest.mark.timeout(90)
+def test_sigkilled_launcher_kills_what_workers_started_and_cleans_up(
+        tmp_path):
+    """Issue 23: a worker's own child (a data loader's helper) dies with a
+    SIGKILLed launcher too, and its `keras-mirror-ready-*` folder goes."""
+    log, scratch = tmp_path / "out.txt", tmp_path / "tmp"
+    scratch.mkdir()
+    command = [sys.executable, "-m", "keras_mirror.cli", "launch", "-n", "2"]
+    command += ["--start-timeout", "0", "--grace-period", "1", "--"]
+    command += ["python", str(WORKERS / "toy_worker.py"), "spawn"]
+    env = dict(os.environ, TMPDIR=str(scratch))
+    with open(log, "wb") as out:
+        launcher = subprocess.Popen(command, stdout=out, env=env,
+                                    stderr=subprocess.STDOUT, cwd=REPO)
+    pids = []
+    try:
+        deadline = time.monotonic() + 60
+        while len(_sleeper_pids(log.read_text())) < 2:
+            assert time.monotonic() < deadline, log.read_text()
+            assert launcher.poll() is None, log.read_text()
+            time.sleep(0.1)
+        pids = _sleeper_pids(log.read_text()) + _helper_pids(log.read_text())
+        assert len(pids) == 4
+        assert [p.name[:19] for p in scratch.iterdir()] == [
+            "keras-mirror-ready-"]
+        launcher.kill()
+        launcher.wait(30)
+        deadline = time.monotonic() + 10
+        while not all(_gone(pid) for pid in pids) or list(scratch.iterdir()):
+            assert time.monotonic() < deadline, (
+                f"left: {[p for p in pids if not _gone(p)]}, "
+                f"{list(scratch.iterdir())}")
+            time.sleep(0.1)
+    finally:
+        launcher.kill()
+        launcher.wait()
+        for pid in pids:
+            if not _gone(pid):
+                os.kill(pid, signal.SIGKILL)
+
+
+@pytest.mark.timeout(60)
+def test_guard_exits_after_a_normal_run(capsys):
+    before = {p.pid for p in psutil.Process().children(recursive=True)}
+    assert launch_lib.launch(TOY + ["print"], 2, start_timeout=30) == 0
+    after = {p.pid for p in psutil.Process().children(recursive=True)}
+    assert after <= before

@@ -54,12 +54,14 @@ def test_adam_steps_equal_single_device_for_each_replica_count(n, cpus):
     reference, mirrored, losses = _step_both(n, cpus, OPTIMIZERS["adam"])
     assert max_diff(reference.get_weights(), mirrored.model.get_weights()) \
         < 1e-5
+    assert int(mirrored.optimizer.iterations.numpy()) == len(BATCHES)
     for ref, got in losses:
         assert got["loss"] == pytest.approx(ref["loss"], rel=1e-5, abs=1e-6)
         assert got["mae"] == pytest.approx(ref["mae"], rel=1e-5, abs=1e-6)
 
 
-@pytest.mark.parametrize("name", sorted(OPTIMIZERS))
+# (Adam at N = 4 is the case above.)
+@pytest.mark.parametrize("name", sorted(set(OPTIMIZERS) - {"adam"}))
 def test_optimizer_options_see_the_global_gradient(name, cpus):
     reference, mirrored, _ = _step_both(4, cpus, OPTIMIZERS[name])
     assert max_diff(reference.get_weights(), mirrored.model.get_weights()) \
@@ -288,20 +290,8 @@ def test_subclassed_built_model_and_factory(cpus):
     assert factory.model.built
 
 
-def test_a_model_without_config_trains_in_place(cpus):
-    model = NoConfig(3)
-    model(np.zeros((1, 6), "float32"))
-    model.compile(optimizer="sgd", loss="mse")
-    reference = NoConfig(3)
-    reference(np.zeros((1, 6), "float32"))
-    reference.set_weights(model.get_weights())
-    reference.compile(optimizer="sgd", loss="mse")
-    x, y, _ = data(13)
-    mirrored = keras_mirror.MirroredModel(model, devices=cpus)
-    mirrored.fit(x, y, batch_size=5, verbose=0, shuffle=False)
-    reference.fit(x, y, batch_size=5, verbose=0, shuffle=False)
-    assert mirrored.model is model
-    assert max_diff(model.get_weights(), reference.get_weights()) < 1e-5
+# A model without `get_config` trained in place: the guide-model matrix,
+# test_existing_code.py (`no_config`, both paths, an empty shard too).
 
 
 def test_unbuilt_sequential_builds_on_first_uneven_batch(cpus):
@@ -349,30 +339,28 @@ def test_steps_per_execution_is_exact(cpus):
         < 1e-5
 
 
-def test_train_on_batch_returns_each_replica_vector(cpus):
+def test_train_on_batch_keeps_each_replica_vector_aside(cpus):
     # The step returns its per-replica statistics packed in one tensor;
-    # every caller of `train_function` gets them back as `replica_*`
-    # vectors, in Keras's own order for a list result.
+    # `train_on_batch` returns plain Keras's values and the vectors wait in
+    # `last_replica_logs`, in replica order.
     from keras_mirror.callbacks import _replica_logs
 
     mirrored = keras_mirror.MirroredModel(mlp(), devices=cpus[:3])
     mirrored.compile(optimizer="sgd", loss="mse", metrics=["mae"])
     x, y, sw = data(7)
     logs = mirrored.train_on_batch(x, y, sample_weight=sw, return_dict=True)
-    assert set(logs) == {"loss", "mae", *_replica_logs.STAT_KEYS}
-    assert _replica_logs.PACKED not in logs
-    assert logs["replica_samples"].tolist() == list(mirrored.split_plan(7))
-    assert logs["replica_sample_weight"] == pytest.approx(
+    assert set(logs) == {"loss", "mae"}
+    vectors = mirrored.last_replica_logs
+    assert set(vectors) == {k[len("replica_"):]
+                            for k in _replica_logs.STAT_KEYS}
+    assert vectors["samples"].tolist() == list(mirrored.split_plan(7))
+    assert vectors["sample_weight"] == pytest.approx(
         [sw[:3].sum(), sw[3:5].sum(), sw[5:].sum()], rel=1e-6)
-    assert all(v.shape == (3,) for k, v in logs.items()
-               if k.startswith("replica_"))
-    assert (logs["replica_grad_norm"] > 0).all()
-    assert logs["replica_nonfinite"].tolist() == [0, 0, 0]
-    listed = mirrored.train_on_batch(x, y, sample_weight=sw)
-    assert len(listed) == 2 + len(_replica_logs.STAT_KEYS)
-    # Keras lists the compiled metrics first, then the other keys sorted.
-    np.testing.assert_array_equal(listed[2 + sorted(
-        _replica_logs.STAT_KEYS).index("replica_samples")], [3, 2, 2])
+    assert all(v.shape == (3,) for v in vectors.values())
+    assert (vectors["grad_norm"] > 0).all()
+    assert vectors["nonfinite"].tolist() == [0, 0, 0]
+    loss, mae = mirrored.train_on_batch(x, y, sample_weight=sw)
+    assert isinstance(loss, float) and isinstance(mae, float)
 
 
 def test_the_step_packs_its_statistics_into_one_output(cpus):

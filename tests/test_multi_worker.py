@@ -18,6 +18,10 @@ import pytest
 
 from keras_mirror import launch as launch_lib
 
+# Starts worker processes on ports (or namespaces): one xdist worker runs
+# every such test, one after another (`--dist loadgroup`, setup.cfg).
+pytestmark = pytest.mark.xdist_group("processes")
+
 WORKER = pathlib.Path(__file__).parent / "workers" / "mw_train.py"
 
 

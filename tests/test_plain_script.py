@@ -19,6 +19,10 @@ from test_multi_worker import _no_leftover_processes  # noqa: F401
 from keras_mirror import launch as launch_lib
 from keras_mirror.launch import _ports
 
+# Starts worker processes on ports (or namespaces): one xdist worker runs
+# every such test, one after another (`--dist loadgroup`, setup.cfg).
+pytestmark = pytest.mark.xdist_group("processes")
+
 WORKERS = pathlib.Path(__file__).parent / "workers"
 
 

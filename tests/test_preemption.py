@@ -17,6 +17,10 @@ from test_multi_worker import assert_equal_single_device
 
 from keras_mirror import launch as launch_lib
 
+# Starts worker processes on ports (or namespaces): one xdist worker runs
+# every such test, one after another (`--dist loadgroup`, setup.cfg).
+pytestmark = pytest.mark.xdist_group("processes")
+
 
 @pytest.mark.timeout(150)
 def test_sigterm_to_one_worker_stops_all_after_one_step_and_resumes(

@@ -1,9 +1,9 @@
-"""`keras_mirror._quiet`: TensorFlow's start-up noise hidden, the rest kept."""
+"""`launch._quiet`: TensorFlow's start-up noise hidden, the rest kept."""
 
 import os
 import sys
 
-from keras_mirror import _quiet
+from keras_mirror.launch import _quiet
 
 NOISE = (
     b"WARNING: All log messages before absl::InitializeLog() is called are "

@@ -108,13 +108,25 @@ def test_epoch_freq_overrides_no_batch_hook():
 # -- runs, tags and values ----------------------------------------------------
 
 
-def test_exact_runs_and_tags(tmp_path):
-    x, y = make_data()
+@pytest.fixture(scope="module")
+def batch_run(tmp_path_factory):
+    """One fit logged every batch, read back: (scalars, history, plans).
+
+    23 rows in batches of 10 (the last 3 rows: one replica empty), 2 epochs,
+    validation on the same rows. The tests below only read it.
+    """
+    log_dir = tmp_path_factory.mktemp("batch_run")
+    x, y = make_data(23)
     mirrored = mirrored_model()
-    mirrored.fit(x, y, batch_size=10, epochs=2, verbose=0,
+    mirrored.fit(x, y, batch_size=10, epochs=2, verbose=0, shuffle=False,
                  validation_data=(x, y), callbacks=[
-                     ReplicaTensorBoard(tmp_path, update_freq="batch")])
-    scalars = read_scalars(tmp_path)
+                     ReplicaTensorBoard(log_dir, update_freq="batch")])
+    plans = [mirrored.split_plan(b) for b in (10, 10, 3)]
+    return read_scalars(log_dir), mirrored.history.history, plans
+
+
+def test_exact_runs_and_tags(batch_run):
+    scalars, history, _ = batch_run
     assert set(scalars) == replica_pairs() | {
         ("train", "batch_loss"), ("train", "batch_mae"),
         ("train", "epoch_loss"), ("train", "epoch_mae"),
@@ -124,20 +136,14 @@ def test_exact_runs_and_tags(tmp_path):
         steps = [s for s, _ in points]
         expected = [1, 2, 3, 4, 5, 6] if tag.startswith("batch_") else [0, 1]
         assert steps == expected, (run, tag)
-    history = mirrored.history.history
     assert [v for _, v in scalars[("train", "epoch_loss")]] == \
         pytest.approx(history["loss"], rel=1e-6)
     assert [v for _, v in scalars[("validation", "epoch_mae")]] == \
         pytest.approx(history["val_mae"], rel=1e-6)
 
 
-def test_batch_samples_follow_split_plan(tmp_path):
-    x, y = make_data(23)
-    mirrored = mirrored_model()
-    mirrored.fit(x, y, batch_size=10, epochs=2, verbose=0, shuffle=False,
-                 callbacks=[ReplicaTensorBoard(tmp_path, update_freq="batch")])
-    scalars = read_scalars(tmp_path)
-    plans = [mirrored.split_plan(b) for b in (10, 10, 3)]
+def test_batch_samples_follow_split_plan(batch_run):
+    scalars, _, plans = batch_run
     assert plans == [(3, 3, 2, 2), (3, 3, 2, 2), (1, 1, 1, 0)]
     for r, run in enumerate(RUNS):
         samples = scalars[(run, "batch_samples")]

@@ -27,6 +27,10 @@ import netns  # noqa: E402
 from test_multi_worker import WORKER  # noqa: E402
 from test_multi_worker import assert_equal_single_device  # noqa: E402
 
+# Starts worker processes on ports (or namespaces): one xdist worker runs
+# every such test, one after another (`--dist loadgroup`, setup.cfg).
+pytestmark = pytest.mark.xdist_group("processes")
+
 TIMEOUT = 110
 
 

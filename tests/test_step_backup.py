@@ -86,6 +86,7 @@ def test_shuffle_true_is_refused_on_mid_epoch_resume(cpus, tmp_path):
                      callbacks=[StepBackup(tmp_path)])
 
 
+@pytest.mark.xdist_group("processes")
 @pytest.mark.timeout(150)
 def test_sigkilled_worker_resumes_to_uninterrupted_weights(tmp_path, capsys):
     backup = tmp_path / "backup"

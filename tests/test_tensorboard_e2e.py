@@ -26,6 +26,10 @@ import pytest
 import keras_mirror
 from keras_mirror.callbacks import ReplicaTensorBoard
 
+# Starts worker processes on ports (or namespaces): one xdist worker runs
+# every such test, one after another (`--dist loadgroup`, setup.cfg).
+pytestmark = pytest.mark.xdist_group("processes")
+
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 ARTIFACT = os.path.join(ROOT, "test-artifacts", "tensorboard.png")
 RUNS = ["replica_0", "replica_1", "replica_2", "replica_3", "train"]

@@ -21,6 +21,7 @@ from keras_mirror import launch as launch_lib
 from keras_mirror.distribute import _worker_input
 
 
+@pytest.mark.xdist_group("processes")
 @pytest.mark.timeout(100)
 def test_each_worker_reads_its_rows_and_trains_like_one_device(
         tmp_path, capsys):

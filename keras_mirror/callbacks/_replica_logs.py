@@ -18,6 +18,8 @@ import weakref
 import keras
 import numpy as np
 
+from keras_mirror.wrapper import _user_model
+
 PREFIX = "replica_"
 # Keras prefixes validation logs with `val_`.
 _PREFIXES = (PREFIX, "val_" + PREFIX)
@@ -65,6 +67,21 @@ class ReplicaCallbackList(keras.callbacks.CallbackList):
 
     _notice = ""  # the first-step line on screen, if any
     _first_step = False  # until the first step of a `fit` ends
+
+    def set_model(self, model):
+        """Each callback gets the user's model, as in plain `fit`.
+
+        The list itself keeps the wrapper (Keras's loop reads it);
+        keras-mirror's own callbacks get it too
+        (`_user_model.callback_model`).
+        """
+        if not model:
+            return
+        keras.callbacks.Callback.set_model(self, model)
+        if self._history:
+            model.history = self._history
+        for callback in self.callbacks:
+            callback.set_model(_user_model.callback_model(callback, model))
 
     def _dispatch(self, hook, *args, logs=None):
         stripped = None
@@ -174,18 +191,40 @@ def unpack(logs, keys=STAT_KEYS):
     return logs
 
 
-def unpacking(function, keys=STAT_KEYS):
-    """Wraps a Keras train function so that its logs come unpacked."""
+def unpacking(function, keys=STAT_KEYS, owner=None):
+    """Wraps a Keras train function so that its logs come unpacked.
+
+    With `owner` (the `MirroredModel`), each step's `replica_*` vectors
+    are also kept for `owner.last_replica_logs` (`remember`).
+    """
     if function is None or getattr(function, "_unpacks_replica_stats",
                                    False):
         return function
 
     @functools.wraps(function)
     def call(*args, **kwargs):
-        return unpack(function(*args, **kwargs), keys)
+        logs = unpack(function(*args, **kwargs), keys)
+        if owner is not None:
+            remember(owner, logs)
+        return logs
 
     call._unpacks_replica_stats = True
     return call
+
+
+def remember(owner, logs):
+    """Keeps the step's `replica_*` vectors (tensors; read when asked)."""
+    if isinstance(logs, dict):
+        vectors = {k: v for k, v in logs.items() if k.startswith(PREFIX)}
+        # Not a Keras-tracked attribute: a plain dict of this step's values.
+        object.__setattr__(owner, "_last_replica_logs", vectors)
+
+
+def last_logs(owner):
+    """`{name: NumPy vector}` of the last step's `replica_<name>` values."""
+    vectors = owner.__dict__.get("_last_replica_logs") or {}
+    return {k[len(PREFIX):]: np.asarray(v).reshape(-1)
+            for k, v in vectors.items()}
 
 
 def _numpy(logs):

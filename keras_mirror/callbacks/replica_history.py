@@ -16,6 +16,7 @@ import numpy as np
 from keras_mirror import errors
 from keras_mirror.callbacks import _replica_logs
 from keras_mirror.callbacks._replica_logs import PREFIX
+from keras_mirror.wrapper import _inputs
 
 # How each per-step vector turns into an epoch value per replica.
 _EPOCH_SUM = ("replica_samples", "replica_sample_weight", "replica_nonfinite")
@@ -114,6 +115,7 @@ class ReplicaHistory(keras.callbacks.Callback):
     """
 
     wants_replica_logs = True
+    _wants_wrapper = True  # reads the replicas (`_user_model`)
 
     def __init__(self, mirrored):
         super().__init__()
@@ -221,3 +223,20 @@ def callback_list(mirrored, callbacks, verbose, epochs, steps):
     return _replica_logs.ReplicaCallbackList(
         callbacks, add_history=True, add_progbar=verbose != 0,
         verbose=verbose, epochs=epochs, steps=steps, model=mirrored)
+
+
+def route_test_callbacks(mirrored, x, batch_size, kwargs):
+    """`evaluate`'s and `predict`'s callbacks: the user's model, plain logs.
+
+    Replaces `kwargs["callbacks"]` (a list) by a `ReplicaCallbackList`;
+    none given, Keras makes its own list (its progress bar only).
+    """
+    callbacks = kwargs.get("callbacks")
+    if not callbacks or isinstance(callbacks, keras.callbacks.CallbackList):
+        return
+    verbose = kwargs.get("verbose", "auto")
+    kwargs["callbacks"] = _replica_logs.ReplicaCallbackList(
+        list(callbacks), add_progbar=verbose != 0, verbose=verbose,
+        epochs=1, steps=_inputs.count_steps(x, batch_size,
+                                            kwargs.get("steps")),
+        model=mirrored)

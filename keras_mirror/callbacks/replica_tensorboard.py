@@ -88,6 +88,7 @@ class ReplicaTensorBoard(keras.callbacks.Callback):
     """
 
     wants_replica_logs = True
+    _wants_wrapper = True  # reads the replicas (`_user_model`)
 
     def __init__(self, log_dir="logs", update_freq="epoch",
                  write_global=True):

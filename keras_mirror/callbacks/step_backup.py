@@ -13,7 +13,7 @@ it checks the whole backup against the model (a backup that is truncated or
 does not fit raises `StepBackupError` naming the file, before anything is
 assigned), restores it and resumes at that position on the batches an
 uninterrupted run would read from there (`validation_split` and
-`steps_per_epoch` included, see `keras_mirror._resume`), so the run ends
+`steps_per_epoch` included, see `keras_mirror.wrapper._resume`), so the run ends
 with the same step count and weights as an uninterrupted one.
 
 At `on_train_begin` the directory is created and checked with a probe
@@ -44,10 +44,12 @@ import zlib
 import keras
 import numpy as np
 
-from keras_mirror import _resume
 from keras_mirror import errors
 from keras_mirror.distribute import _homes
 from keras_mirror.distribute import _preemption
+from keras_mirror.distribute import _virtual_shards
+from keras_mirror.wrapper import _files
+from keras_mirror.wrapper import _resume
 
 _FILE = "step_backup.npz"
 _TMP_SUFFIX = ".tmp.npz"
@@ -70,6 +72,8 @@ class StepBackup(keras.callbacks.Callback):
                  callbacks=[keras_mirror.StepBackup("backup/")])
     ```
     """
+
+    _wants_wrapper = True  # reads the wrapper's state (`_user_model`)
 
     def __init__(self, backup_dir, every_n_steps=1,
                  delete_on_train_end=True):
@@ -119,9 +123,10 @@ class StepBackup(keras.callbacks.Callback):
     def save(self, epoch, step):
         """Writes the state after `step` batches of `epoch` (chief only).
 
-        Atomic: a temporary file in the backup directory, renamed over the
-        backup, so that a kill at any moment leaves the previous backup or
-        the new one.
+        Atomic and durable: a temporary file in the backup directory,
+        synced to disk (`fsync`), renamed over the backup, then the
+        directory synced, so that a kill or a power cut at any moment
+        leaves the previous backup or the new one.
         """
         if not self._is_chief():
             return
@@ -131,14 +136,19 @@ class StepBackup(keras.callbacks.Callback):
         arrays.update({f"o{i}": np.asarray(v.numpy())
                        for i, v in enumerate(opt_vars)})
         arrays["position"] = np.array([epoch, step], np.int64)
+        arrays.update(_virtual_shards.backup_arrays(self.model, step))
         temporary = f"{self.path}.{os.getpid()}{_TMP_SUFFIX}"
         try:
             os.makedirs(self.backup_dir, exist_ok=True)
-            np.savez(temporary, **arrays)
+            with open(temporary, "wb") as f:
+                np.savez(f, **arrays)
+                f.flush()
+                os.fsync(f.fileno())
             os.replace(temporary, self.path)
         except OSError as e:
             _remove_quietly(temporary)
             raise self._directory_error(e) from e
+        _files.fsync(self.backup_dir)  # the rename itself
 
     def _read(self):
         """The backup's arrays by key; StepBackupError if unreadable."""
@@ -186,17 +196,37 @@ class StepBackup(keras.callbacks.Callback):
         Reads and checks the whole backup before assigning any variable: a
         backup that is unreadable or does not fit changes nothing.
         """
+        checked = self._read_checked(mirrored)
+        if checked is None:
+            return None
+        return self._assign(mirrored, *checked)
+
+    def _read_checked(self, mirrored):
+        """(arrays, variables) of a backup that fits, or None if absent."""
         if not os.path.exists(self.path):
             return None
         arrays = self._read()
         variables = self._variables(mirrored)
         self._check(arrays, variables)
+        _virtual_shards.check_backup(mirrored, arrays, self.path,
+                                     int(arrays["position"][1]))
+        return arrays, variables
+
+    def _assign(self, mirrored, arrays, variables):
         values = [arrays[f"w{i}"] for i in range(len(variables[0]))] + \
             [arrays[f"o{i}"] for i in range(len(variables[1]))]
         with mirrored.strategy.scope():
             for v, value in zip(variables[0] + variables[1], values):
                 v.assign(value)
         return tuple(int(v) for v in arrays["position"])
+
+    def _impossible(self, position, why):
+        return errors.StepBackupError(
+            f"The step backup {self.path!r} holds the position "
+            f"{np.asarray(position).tolist()!r} (epoch, step), which this "
+            f"run cannot reach: {why}. Nothing was restored. Delete it (or "
+            "pass another `backup_dir`) to train from the start. "
+            f"Received: backup_dir={self.backup_dir!r}")
 
     # -- the directory -----------------------------------------------------
 
@@ -207,11 +237,12 @@ class StepBackup(keras.callbacks.Callback):
             "`backup_dir` with free space for one backup. "
             f"Received: backup_dir={self.backup_dir!r}")
 
-    def check_directory(self):
+    def check_directory(self, mirrored=None):
         """Creates the directory, removes stale temporary files of killed
         writers, writes a probe file and checks that one backup fits in the
         free space (chief only)."""
-        if not self._is_chief():
+        mirrored = self.model if mirrored is None else mirrored
+        if not getattr(mirrored, "is_chief", True):
             return
         probe = os.path.join(self.backup_dir,
                              f".probe.{os.getpid()}{_TMP_SUFFIX}")
@@ -225,15 +256,15 @@ class StepBackup(keras.callbacks.Callback):
                 f.write(b"\0")
                 f.flush()
                 os.fsync(f.fileno())
-            self._check_free_space()
+            self._check_free_space(mirrored)
         except OSError as e:
             raise self._directory_error(e) from e
         finally:
             _remove_quietly(probe)
 
-    def _check_free_space(self):
+    def _check_free_space(self, mirrored):
         needed = sum(v.numpy().nbytes for group in self._variables(
-            self.model) for v in group)
+            mirrored) for v in group)
         stat = os.statvfs(self.backup_dir)
         free = stat.f_bavail * stat.f_frsize
         if free < needed:
@@ -276,16 +307,25 @@ class StepBackup(keras.callbacks.Callback):
                    steps_per_epoch, kwargs, steps=None):
         """Runs `fit` from the backup's position, on the batches an
         uninterrupted run would read from there (see `_resume`)."""
-        self._checked = False
-        position = self.load(mirrored)
+        # The directory and the whole backup are checked before anything
+        # is assigned: a refusal leaves the model and optimizer as they were.
+        self.check_directory(mirrored)
+        self._checked = True
+        checked = self._read_checked(mirrored)
         kwargs = dict(kwargs)
         initial_epoch = kwargs.pop("initial_epoch", 0)
-        if position is None:
+        if checked is None:
             return fit(x, y, batch_size=batch_size, epochs=epochs,
                        steps_per_epoch=steps_per_epoch,
                        initial_epoch=initial_epoch, **kwargs)
         x, y, kwargs = _resume.split_validation(x, y, kwargs)
         batches = _resume.num_batches(x, batch_size)
+        why = _resume.impossible_position(
+            checked[0]["position"], epochs, initial_epoch, steps_per_epoch,
+            batches)
+        if why:
+            raise self._impossible(checked[0]["position"], why)
+        position = self._assign(mirrored, *checked)
         segments = _resume.plan(position, epochs, initial_epoch,
                                 steps_per_epoch, batches)
         print(f"keras-mirror: StepBackup resumes at epoch {position[0]}, "
@@ -293,7 +333,7 @@ class StepBackup(keras.callbacks.Callback):
               f"{_iterations(mirrored)}).", flush=True)
         history = None
         for i, segment in enumerate(segments):
-            history = _merge(history, self._run_segment(
+            history = _resume.merge(history, self._run_segment(
                 fit, segment, x, y, batch_size, kwargs, position,
                 last=i == len(segments) - 1))
         if history is None:  # the backup is of a finished run
@@ -325,16 +365,6 @@ def _iterations(mirrored):
         if optimizer is not None:
             return int(optimizer.iterations.numpy())
     return 0
-
-
-def _merge(before, after):
-    """One `History` of consecutive `fit` calls."""
-    if before is None:
-        return after
-    for k, v in before.history.items():
-        after.history[k] = list(v) + list(after.history.get(k, []))
-    after.epoch = list(before.epoch) + list(after.epoch)
-    return after
 
 
 def _unique(variables):

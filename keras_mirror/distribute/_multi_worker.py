@@ -15,8 +15,9 @@ cluster, so that a plain script (build, wrap, fit) needs no other line.
 Input between workers: with `worker_input="replicate"` every worker reads
 the same, full global batches (the input must be deterministic and
 identical on every worker) and keeps its own replicas' rows of the split
-plan; with `worker_input="shard"` each worker reads only those rows (see
-`_worker_input`).
+plan; with `worker_input="shard"` each worker reads only its rows of
+arrays (`_worker_input`) or its virtual shards of a `tf.data` input
+(`_virtual_shards`).
 """
 
 import os
@@ -30,6 +31,7 @@ INIT_ENV = "KERAS_MIRROR_INIT"
 CPUS_ENV = "KERAS_MIRROR_CPUS_PER_WORKER"
 PORT_BASE_ENV = "KERAS_MIRROR_PORT_BASE"
 READY_FILE_ENV = "KERAS_MIRROR_READY_FILE"
+VIRTUAL_SHARDS_ENV = "KERAS_MIRROR_VIRTUAL_SHARDS"
 # A worker that stopped for a preemption (SIGTERM) after writing its step
 # backup exits with this code (EX_TEMPFAIL: "try again"); the launcher
 # restarts the group without counting it against `--max-restarts`.
@@ -207,9 +209,9 @@ def init(cluster=None, cpus_per_worker=None):
     if _state["spec"] == spec and cpus_per_worker is None:
         return spec
     devices = _worker_devices(cpus)  # another cluster or count: refused
-    from keras_mirror.distribute import devices as devices_lib
+    from keras_mirror.distribute import _strategies  # TensorFlow: only now
 
-    devices_lib.multi_worker_strategy(spec, devices)
+    _strategies.multi_worker_strategy(spec, devices)
     _state.update(spec=spec, devices=devices)
     mark_ready()
     return spec

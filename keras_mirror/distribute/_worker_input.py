@@ -12,7 +12,12 @@ are those of `"replicate"`: each worker reads 1/W of the data (its I/O and
 preprocessing), while the batch itself still crosses the network once per
 step. Each worker prints the rows it read per epoch.
 
-Supported: `batch="global"`, arrays, `shuffle=False` (the order must be
+A `tf.data.Dataset` or an `input_fn(input_context)` is read in virtual
+shards (`_virtual_shards`): `virtual_input` turns it into this worker's
+stream at the start of `fit`, and the same all-gather assembles the global
+batch.
+
+Supported: `batch="global"`, arrays with `shuffle=False` (the order must be
 the same on every worker and on a resumed run), no `validation_split`
 (pass `validation_data`, which every worker reads whole). Evaluation and
 prediction read their input whole.
@@ -23,8 +28,9 @@ import sys
 
 import tensorflow as tf
 
-from keras_mirror import _inputs
 from keras_mirror import split
+from keras_mirror.distribute import _virtual_shards
+from keras_mirror.wrapper import _inputs
 
 _MARK = "keras_mirror_worker_rows"
 
@@ -40,9 +46,10 @@ def _check(mirrored, x, y, kwargs):
                 f"batch={mirrored.batch_mode!r}")
     if not _inputs.is_array(x):
         _refuse("reads rows of arrays (NumPy arrays or memory-mapped "
-                "`.npy` files): pass `x` and `y` as arrays; a "
-                "`tf.data.Dataset` is read whole by every worker with "
-                "`worker_input='replicate'`.", f"x={type(x).__name__}")
+                "`.npy` files) or virtual shards of a `tf.data.Dataset` "
+                "or an `input_fn(input_context)`; other inputs are read "
+                "whole by every worker with `worker_input='replicate'`.",
+                f"x={type(x).__name__}")
     if kwargs.get("shuffle", True):
         _refuse("needs `shuffle=False`: every worker must see the rows in "
                 "the same order.", f"shuffle={kwargs.get('shuffle', True)}")
@@ -65,6 +72,31 @@ def segments(mirrored, rows, batch_size):
     return out
 
 
+def virtual_input(mirrored, x, y, batch_size):
+    """`fit`'s `x`: this worker's virtual shards of a dataset or input_fn.
+
+    Unchanged unless `worker_input="shard"` and `x` is a `tf.data.Dataset`
+    or an `input_fn`; then a dataset of this worker's rows of each global
+    batch (all of them in one process), see `_virtual_shards`.
+    """
+    if not _virtual_shards.applies(mirrored, x):
+        _virtual_shards.forget(mirrored)
+        return x
+    if mirrored.batch_mode != "global":
+        _refuse("needs `batch='global'`.",
+                f"batch={mirrored.batch_mode!r}")
+    if y is not None or batch_size is not None:
+        _refuse("reads `x` as a dataset or `input_fn` of whole batches: "
+                "pass neither `y` nor `batch_size`.",
+                f"y={type(y).__name__}, batch_size={batch_size!r}")
+    return _virtual_shards.fit_dataset(mirrored, x)
+
+
+def _is_virtual(mirrored, x):
+    state = getattr(mirrored, "_virtual_state", None)
+    return state is not None and x is state["dataset"]
+
+
 def shard_fit_input(mirrored, x, y, batch_size, kwargs):
     """`fit`'s `(x, y, batch_size, kwargs)`, sharded between workers.
 
@@ -73,6 +105,8 @@ def shard_fit_input(mirrored, x, y, batch_size, kwargs):
     """
     if mirrored.worker_input != "shard" or mirrored.num_workers < 2:
         return x, y, batch_size, kwargs
+    if _is_virtual(mirrored, x):
+        return x.map(lambda *p: {_MARK: p}), y, batch_size, kwargs
     _check(mirrored, x, y, kwargs)
     kwargs = dict(kwargs)
     sw = kwargs.pop("sample_weight", None)
@@ -129,3 +163,9 @@ def assemble(mirrored, data):
         gathered = tf.nest.map_structure(
             lambda v: strategy.gather(v, axis=0), per_replica)
     return tuple(gathered)
+
+
+def check_virtual_shards(virtual_shards, worker_input, spec):
+    """`MirroredModel`'s `virtual_shards`, checked (see `_virtual_shards`)."""
+    return _virtual_shards.check(virtual_shards, worker_input,
+                                 1 if spec is None else spec.num_workers)

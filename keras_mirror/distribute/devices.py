@@ -1,14 +1,20 @@
-"""Device discovery, logical CPU devices and strategy construction."""
+"""Device discovery and logical CPU devices.
 
-import threading
+The strategies themselves are built in `_strategies` (re-exported here, as
+before); `logical_cpus` starts a multi-worker cluster through
+`_multi_worker.init`, which builds its strategy there: `devices` ->
+`_multi_worker` -> `_strategies`, one way.
+"""
 
 import tensorflow as tf
 
-from keras_mirror import _compat
 from keras_mirror import errors
+from keras_mirror.distribute import _multi_worker
+from keras_mirror.distribute import _strategies
 
-_STRATEGIES = {}
-_STRATEGIES_LOCK = threading.Lock()
+# Here as before (`keras_mirror.devices.mirrored_strategy(...)`).
+mirrored_strategy = _strategies.mirrored_strategy
+multi_worker_strategy = _strategies.multi_worker_strategy
 
 
 def logical_cpus(n):
@@ -63,8 +69,6 @@ def logical_cpus(n):
 
 def _check_worker_cpus(current, n):
     """Names the variable to set when `import keras_mirror` set up a worker."""
-    from keras_mirror.distribute import _multi_worker
-
     if _multi_worker.initialized_devices() is None:
         return
     raise errors.DevicesAlreadyInitializedError(
@@ -77,11 +81,7 @@ def _check_worker_cpus(current, n):
 
 def _local_logical_devices(kind=None):
     """This process's logical devices (a cluster lists its peers' too)."""
-    worker = None
-    for key, strategy in list(_STRATEGIES.items()):
-        if key[0] == "multi_worker":
-            worker = tf.DeviceSpec.from_string(
-                _compat.worker_device(strategy))
+    worker = _strategies.multi_worker_device()
     found = tf.config.list_logical_devices(kind)
     if worker is None:
         return found
@@ -172,57 +172,6 @@ def resolve_devices(devices):
     return resolved
 
 
-def default_cross_device_ops(devices):
-    """Picks the all-reduce implementation for a one-host strategy.
-
-    On GPUs, TensorFlow's own choice (NCCL all-reduce where available). On
-    CPU devices, `ReductionToOneDevice`, which measured about twice as fast
-    as the default collective ring on logical CPUs.
-    """
-    if all("GPU" in d.upper() for d in devices):
-        return None
-    return tf.distribute.ReductionToOneDevice(reduce_to_device=devices[0])
-
-
-def single_host_cross_device_ops(devices, communication="auto"):
-    """The all-reduce of a one-host MirroredStrategy for `communication`.
-
-    `"auto"`: `default_cross_device_ops`. `"nccl"`: `NcclAllReduce`, GPUs
-    only. `"ring"` names the ring algorithm of TensorFlow's collective ops,
-    which only `MultiWorkerMirroredStrategy` uses: refused on one host.
-    """
-    if communication == "auto":
-        return default_cross_device_ops(devices)
-    if communication == "nccl":
-        if not all("GPU" in d.upper() for d in devices):
-            raise ValueError(
-                "`communication='nccl'` needs GPU devices (NCCL is NVIDIA's "
-                "GPU library). Received: communication='nccl' with "
-                f"devices={list(devices)}")
-        return tf.distribute.NcclAllReduce()
-    raise ValueError(
-        f"`communication={communication!r}` selects an implementation of "
-        "TensorFlow's collective ops, which only a multi-worker cluster "
-        "uses; on one host use 'auto' (NCCL on GPUs) or 'nccl'. "
-        f"Received: communication={communication!r}")
-
-
-def mirrored_strategy(devices, communication="auto"):
-    """Returns the process-wide MirroredStrategy for `devices`.
-
-    Strategies are cached: two MirroredStrategy objects over the same devices
-    in one process can collide on collective instance keys.
-    """
-    key = (tuple(devices), communication)
-    with _STRATEGIES_LOCK:
-        if key not in _STRATEGIES:
-            ops = single_host_cross_device_ops(devices, communication)
-            _STRATEGIES[key] = tf.distribute.MirroredStrategy(
-                devices=list(devices), cross_device_ops=ops
-            )
-        return _STRATEGIES[key]
-
-
 def _start_cluster_from_env(n):
     """With a multi-worker cluster in the environment, builds the strategy.
 
@@ -232,92 +181,4 @@ def _start_cluster_from_env(n):
     done so unless `KERAS_MIRROR_INIT=0`); `MirroredModel` then finds it in
     the cache.
     """
-    from keras_mirror.distribute import _multi_worker
-
     _multi_worker.init(cpus_per_worker=n)
-
-
-def _local_index(name):
-    spec = tf.DeviceSpec.from_string(name)
-    return spec.device_type.upper(), spec.device_index
-
-
-def multi_worker_strategy(spec, devices, communication_options=None):
-    """Returns the process-wide MultiWorkerMirroredStrategy for a cluster.
-
-    Args:
-        spec: `keras_mirror.cluster.ClusterSpec` of two or more tasks.
-        devices: list of str. This worker's own local devices (all of one
-            type); the worker hosts one replica per device.
-        communication_options: `tf.distribute.experimental.
-            CommunicationOptions` or None: the strategy's defaults for every
-            collective (implementation, packing, `timeout_seconds`).
-
-    TensorFlow's `MultiWorkerMirroredStrategy` puts one replica on `CPU:0`
-    of each worker when it has no GPU, and on every GPU otherwise; it takes
-    no device list. keras-mirror overrides its local-device discovery (a
-    private hook, kept in `_compat.collective_extended_on`) so that a
-    worker's replicas are exactly `devices` (e.g. 2 logical CPUs per worker
-    for development). Building the strategy starts this
-    worker's gRPC server and waits until every peer has joined. One
-    strategy is cached per process: a second one would collide on
-    collective keys and cannot restart the server.
-    """
-    kinds = {_local_index(d)[0] for d in devices}
-    if len(kinds) != 1:
-        raise errors.DeviceError(
-            "A multi-worker replica set must use devices of one type. "
-            f"Received: devices={list(devices)!r}")
-    kind = kinds.pop()
-    indices = [_local_index(d)[1] for d in devices]
-    comm = communication_options or \
-        tf.distribute.experimental.CommunicationOptions()
-    key = ("multi_worker", spec)
-    with _STRATEGIES_LOCK:
-        for k, strategy in _STRATEGIES.items():
-            if k[0] == "multi_worker" and k != key:
-                raise errors.DeviceError(
-                    "This process already runs a multi-worker strategy for "
-                    "another cluster; TensorFlow supports one per process. "
-                    f"Received: cluster={spec!r}")
-        if key in _STRATEGIES:
-            strategy = _STRATEGIES[key]
-            want = tuple(f"{kind}:{i}" for i in indices)
-            have = tuple("{}:{}".format(*_local_index(d))
-                         for d in strategy.extended.worker_devices)
-            if want != have:
-                raise errors.DeviceError(
-                    "This process's multi-worker strategy was built over "
-                    f"{list(have)}; TensorFlow supports one per process. "
-                    f"Received: devices={list(devices)!r}")
-            return strategy
-
-        extended = _compat.collective_extended_on(kind, indices)
-
-        class _Strategy(tf.distribute.MultiWorkerMirroredStrategy):
-            def __init__(self, resolver, options):
-                tf.distribute.Strategy.__init__(
-                    self, extended(self, cluster_resolver=resolver,
-                                   communication_options=options))
-
-        jobs = {"worker": list(spec.workers)}
-        if spec.chief is not None:
-            jobs["chief"] = [spec.chief]
-        resolver = tf.distribute.cluster_resolver.SimpleClusterResolver(
-            tf.train.ClusterSpec(jobs), task_type=spec.task_type,
-            task_id=spec.task_index, rpc_layer="grpc")
-        try:
-            strategy = _Strategy(resolver, comm)
-        except RuntimeError as e:
-            if "program startup" not in str(e):
-                raise
-            raise errors.DevicesAlreadyInitializedError(
-                "A multi-worker strategy must be built before TensorFlow "
-                "initialises its devices (building a model or listing "
-                "devices does). Put `import keras_mirror` at the top of "
-                "your script (it builds the strategy when `TF_CONFIG` or "
-                "Slurm names a cluster), or call `keras_mirror.init("
-                "cluster)` first thing when you pass `cluster=` yourself. "
-                f"Received: cluster={spec!r}") from None
-        _STRATEGIES[key] = strategy
-        return strategy

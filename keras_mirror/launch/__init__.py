@@ -23,6 +23,9 @@ first word ending in `.py` runs with it. Worker `i` gets:
 - `KERAS_MIRROR_CPUS_PER_WORKER` with `--cpus-per-worker`: the logical
   CPU replicas `import keras_mirror` gives the worker on a host without
   GPUs;
+- `KERAS_MIRROR_VIRTUAL_SHARDS`: `--nproc-per-node` unless set, the
+  default `virtual_shards` of `worker_input="shard"`; an elastic restart
+  on fewer workers keeps it, so the global batches stay the same;
 - `PYTHONUNBUFFERED=1` unless set, so that output streams as it is printed.
 
 Each line a worker prints is copied to the launcher's stdout (or stderr)
@@ -53,7 +56,12 @@ any number of workers (a step does not depend on the replica count).
 The launcher's death. SIGTERM, SIGHUP and Ctrl-C stop every worker before
 the launcher exits with `128 + signal`. A launcher killed outright
 (SIGKILL) cannot clean up: each worker asks Linux for SIGKILL when its
-parent dies (`PR_SET_PDEATHSIG`), so none is left running.
+parent dies (`PR_SET_PDEATHSIG`), and a small guard process per attempt,
+outside the workers' process groups, sees the launcher's end (its stdin
+closes) and SIGKILLs every worker's process group, with the processes the
+workers started (a data loader's helpers, `subprocess.Popen`), then
+removes the attempt's `keras-mirror-ready-*` folder. A process that left
+its worker's group (`setsid`) is out of reach.
 
 Readiness. A worker is ready once it has created the file named by
 `KERAS_MIRROR_READY_FILE`, which `keras_mirror.init()` (run by
@@ -193,9 +201,10 @@ def launch(
                           start_timeout, grace_period, min_workers,
                           cpus_per_worker)
     command = resolve_command(command)
+    env = dict(os.environ if env is None else env)
     if cpus_per_worker is not None:
-        env = dict(os.environ if env is None else env)
         env[CPUS_ENV] = str(cpus_per_worker)
+    env.setdefault(_multi_worker.VIRTUAL_SHARDS_ENV, str(num_workers))
     deadline = None if timeout is None else time.monotonic() + timeout
     in_main = threading.current_thread() is threading.main_thread()
     previous = {}

@@ -99,6 +99,7 @@ def run_attempt(
     has exited, killed if need be, when it returns.
     """
     ready_dir = tempfile.mkdtemp(prefix="keras-mirror-ready-")
+    guard = _workers.Guard(ready_dir)
     workers = []
     started = time.monotonic()
     try:
@@ -109,6 +110,7 @@ def run_attempt(
             try:
                 workers.append(_workers.Worker(index, command, worker_env,
                                                ready_file))
+                guard.watch(workers[-1])
             except OSError as e:
                 _workers.say(
                     f"cannot start worker {index}: {e}. Received: "
@@ -120,6 +122,7 @@ def run_attempt(
     finally:
         with _workers.signals_ignored():
             _workers.stop(workers, grace_period)
+            guard.close()
         shutil.rmtree(ready_dir, ignore_errors=True)
 
 

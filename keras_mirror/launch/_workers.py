@@ -106,6 +106,62 @@ def _die_with_parent(parent):
     return preexec
 
 
+# The guard: a tiny process outside the workers' groups that outlives a
+# SIGKILLed launcher. It learns each worker's process group on its stdin;
+# end of input without "done" means the launcher died: it SIGKILLs every
+# group (the processes the workers started too, which PR_SET_PDEATHSIG
+# does not reach) and removes the attempt's scratch folder.
+_GUARD = """
+import os, shutil, signal, sys
+for s in (signal.SIGINT, signal.SIGTERM, signal.SIGHUP):
+    signal.signal(s, signal.SIG_IGN)
+groups = []
+for line in sys.stdin:
+    if line.strip() == "done":
+        sys.exit(0)
+    groups.append(int(line))
+for group in groups:
+    try:
+        os.killpg(group, signal.SIGKILL)
+    except OSError:
+        pass
+shutil.rmtree(sys.argv[1], ignore_errors=True)
+"""
+
+
+class Guard:
+    """Kills the workers' process groups if the launcher dies outright."""
+
+    def __init__(self, scratch):
+        self.process = subprocess.Popen(
+            [sys.executable, "-I", "-c", _GUARD, scratch],
+            stdin=subprocess.PIPE, stdout=subprocess.DEVNULL,
+            stderr=subprocess.DEVNULL, start_new_session=True)
+
+    def watch(self, worker):
+        self._send(f"{worker.process.pid}\n")
+
+    def close(self):
+        """The launcher stopped its workers itself: the guard exits."""
+        self._send("done\n")
+        try:
+            self.process.stdin.close()
+        except OSError:
+            pass
+        try:
+            self.process.wait(_PUMP_JOIN_SECONDS * 5)
+        except subprocess.TimeoutExpired:
+            self.process.kill()
+            self.process.wait()
+
+    def _send(self, text):
+        try:
+            self.process.stdin.write(text.encode())
+            self.process.stdin.flush()
+        except (OSError, ValueError):
+            pass
+
+
 def stop(workers, grace_period):
     """SIGTERM to every live worker, SIGKILL to those left after the grace."""
     live = [w for w in workers if w.process.poll() is None]

@@ -9,7 +9,7 @@ fill split). A new capacity retraces the step functions.
 import keras
 import tensorflow as tf
 
-from keras_mirror import _inputs
+from keras_mirror.wrapper import _inputs
 
 
 def adapt_input(mirrored, x, batch_size):

@@ -29,7 +29,7 @@ def _scalar(value):
     return shape is not None and len(shape) == 0
 
 
-def _weighted(original):
+def _weighted(original, batch_sum=False):
     def update_state(*args, sample_weight=None, **kwargs):
         ctx = active()
         if (ctx is not None and ctx.distributed and sample_weight is None
@@ -38,6 +38,8 @@ def _weighted(original):
             sample_weight = tf.cast(ctx.share, tf.float32)
             # An empty shard adds nothing (its mean may be NaN).
             value = tf.cast(args[0], tf.float32)
+            if batch_sum:  # the shards' sums add up to the batch's
+                value = tf.math.divide_no_nan(value, sample_weight)
             args = (tf.where(sample_weight > 0, value,
                              tf.zeros_like(value)),)
         return original(*args, sample_weight=sample_weight, **kwargs)
@@ -78,11 +80,14 @@ def read(metric, key):
 
 
 @contextlib.contextmanager
-def replica_weights(model):
+def replica_weights(model, sums=()):
     """Within the block, `model`'s mean metrics weigh replica updates.
 
-    Every metric's `result()` is also recorded (see `source`), and no
-    metric is updated on a stand-in replica (`_stand_in`).
+    `sums`: the per-output loss trackers whose values are batch sums (a
+    loss with `reduction="sum"`): the replicas' values add up, so each
+    update weighs its value divided by the share. Every metric's
+    `result()` is also recorded (see `source`), and no metric is updated
+    on a stand-in replica (`_stand_in`).
     """
     everything = [m for m in getattr(model, "metrics", []) or []
                   if isinstance(m, keras.metrics.Metric)]
@@ -98,7 +103,8 @@ def replica_weights(model):
     patched = []
     try:
         for metric in metrics:
-            metric.update_state = _weighted(metric.update_state)
+            metric.update_state = _weighted(
+                metric.update_state, any(metric is m for m in sums))
             patched.append(metric)
         for metric in everything:
             # A stand-in replica (an empty shard running one row) updates

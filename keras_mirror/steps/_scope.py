@@ -17,11 +17,13 @@ def replica_scope(mirrored):
       loss and keras-mirror weights it;
     - `keras.random` draws give one device's numbers (`_random`);
     - mean metrics updated inside a replica weigh it as one device would
-      (`_metric_weights`);
+      (`_metric_weights`), an output's loss that is a batch sum as a sum;
     - an empty shard's stand-in row updates no metric and stays out of
       synchronized BatchNorm's statistics (`_stand_in`).
     """
+    reductions = getattr(mirrored, "_reductions", None)
+    sums = reductions.sum_trackers(mirrored._inner) if reductions else ()
     with _compat.unscaled_losses(), _random.exact_draws(), \
-            _metric_weights.replica_weights(mirrored._inner), \
+            _metric_weights.replica_weights(mirrored._inner, sums), \
             _stand_in.exclude_from_moments():
         yield

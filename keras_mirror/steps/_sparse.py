@@ -15,12 +15,20 @@ rows side by side (Adam would square `N` partial sums instead of their
 total). Such a gradient is recognised by indices of a static length (no
 batch dimension in them) that are identical on every replica at run time;
 its values are summed.
+
+A `Dense` layer fed a `tf.sparse.SparseTensor` has a kernel gradient of
+one row per feature index present in the batch, each summed over the
+batch's rows (`embedding_lookup_sparse` takes `tf.unique` of the ids). One
+device's rows are then the union of the replicas' indices, in order of
+first appearance, each the sum of the replicas' rows: they are summed by
+index. Such a gradient is recognised by indices that come from a `Unique`
+op in the step's graph.
 """
 
 import tensorflow as tf
 
 
-def join(values, indices, lengths, static_length):
+def join(values, indices, lengths, static_length, unique=False):
     """The replicas' slices, concatenated in replica order, as one device's.
 
     Args:
@@ -29,11 +37,17 @@ def join(values, indices, lengths, static_length):
         lengths: int32 vector, each replica's number of rows.
         static_length: int or None, the rows of one replica's slices when
             known statically (batch-independent indices), else None.
+        unique: bool, whether each replica's indices come from `tf.unique`
+            (`from_unique`): the rows are then summed by index.
 
     Returns:
         `(values, indices)`: summed over replicas when every replica holds
         the same indices of a static length, else as given.
     """
+    if unique:
+        ids, position = tf.unique(indices)
+        return tf.math.unsorted_segment_sum(
+            values, position, tf.shape(ids)[0]), ids
     if static_length is None or static_length == 0:
         return values, indices
     n = int(lengths.shape[0])
@@ -58,3 +72,21 @@ def join(values, indices, lengths, static_length):
 def static_rows(slices):
     """The static row count of one replica's `IndexedSlices`, or None."""
     return tf.TensorShape(slices.indices.shape).as_list()[0]
+
+
+_PASS_THROUGH = ("Reshape", "Identity", "Cast")
+
+
+def from_unique(indices):
+    """Whether a traced gradient's indices are the output of `tf.unique`
+    (through reshapes), as for a `Dense` kernel fed a sparse input."""
+    op = getattr(indices, "op", None)
+    for _ in range(4):
+        if op is None:
+            return False
+        if op.type == "Unique":
+            return True
+        if op.type not in _PASS_THROUGH or not op.inputs:
+            return False
+        op = op.inputs[0].op
+    return False

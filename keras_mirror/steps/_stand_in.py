@@ -36,6 +36,7 @@ import tensorflow as tf
 
 from keras_mirror import _compat
 from keras_mirror.replica_context import active
+from keras_mirror.steps import _slicing
 
 
 def bounds(sizes):
@@ -51,14 +52,12 @@ def bounds(sizes):
 
 
 def shard(t, start, run):
-    """Rows `[start, start + run)` of `t`, its row count kept dynamic.
+    """Rows `[start, start + run)` of `t` (dense, sparse or ragged).
 
-    A shard whose row count is static would let Keras skip a loss
-    reduction on it (see `arithmetic.dynamic_rows`).
+    Its row count stays dynamic (`_slicing.rows`): a shard whose row count
+    is static would let Keras skip a loss reduction on it.
     """
-    t = t[start:start + run]
-    shape = [None] + t.shape.as_list()[1:]
-    return tf.compat.v1.placeholder_with_default(t, shape=shape)
+    return _slicing.rows(t, start, run)
 
 
 def real_rows(structure, rows):

@@ -9,6 +9,7 @@ path (`strategy.ReplicaSteps`, the base class). The paths share
 
 from keras_mirror.callbacks import _replica_logs
 from keras_mirror.distribute import _worker_input
+from keras_mirror.steps import _probing
 from keras_mirror.steps import _xla
 from keras_mirror.steps import in_graph
 from keras_mirror.steps import own_step
@@ -51,14 +52,26 @@ class StepDispatch(strategy.ReplicaSteps):
 
         The built-in step packs its per-replica statistics into one tensor
         (`_replica_logs.PACKED`); the returned function splits it, so every
-        caller of `train_function` (fit, train_on_batch) sees the vectors.
+        caller of `train_function` (fit, train_on_batch) sees the vectors,
+        and keeps them for `last_replica_logs`. `train_on_batch` and the
+        callbacks that did not opt in see plain Keras's keys only.
         """
         if self.train_function is not None and not force:
             return self.train_function
         super().make_train_function(force=force)
-        self.train_function = _replica_logs.unpacking(
-            self.train_function, self._stat_keys())
+        self.train_function = _probing.first_call(
+            self, _replica_logs.unpacking(self.train_function,
+                                          self._stat_keys(), owner=self))
         return self.train_function
+
+    def make_test_function(self, force=False):
+        """Keras's test function; its first call classifies the loss terms
+        on its first batch (`_probing`), as the train function's does."""
+        if self.test_function is not None and not force:
+            return self.test_function
+        super().make_test_function(force=force)
+        self.test_function = _probing.first_call(self, self.test_function)
+        return self.test_function
 
     def test_step(self, data):
         if own_step.overrides(self._inner, "test_step"):

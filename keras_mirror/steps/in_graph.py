@@ -78,18 +78,14 @@ def _loss(mirrored, x, y, y_pred, sw, training):
 
 
 def _contribution(mirrored, shard_loss, extras, count, total, first, rows):
-    """`arithmetic.contribution`, with the batch-sum terms weighted 1.
+    """`arithmetic.contribution`, each term by its kind (`_reductions`).
 
     A stand-in shard (`rows` 0) adds nothing but, on replica 0, the weight
     regularisation.
     """
-    reductions = getattr(mirrored, "_reductions", None)
-    summed = (reductions.sum_terms(shard_loss, extras)
-              if reductions is not None else 0.0)
-    summed = tf.where(rows > 0, summed, 0.0)
-    return arithmetic.contribution(
-        shard_loss - summed, arithmetic.weight_regularization(mirrored._inner),
-        count, total, first) + summed
+    return _reductions.weighted(
+        getattr(mirrored, "_reductions", None), mirrored._inner, shard_loss,
+        extras, count, total, first, rows)
 
 
 def _concat(parts, masks=None):
@@ -151,7 +147,10 @@ def _gather_slices(parts, wire, device):
         joined = tf.concat(values, axis=0) if len(values) > 1 else values[0]
         indices = tf.concat([p.indices for p in parts], axis=0)
         statics = {_sparse.static_rows(p) for p in parts}
-        if len(parts) > 1 and len(statics) == 1:
+        if len(parts) > 1 and all(_sparse.from_unique(p.indices)
+                                  for p in parts):
+            joined, indices = _sparse.join(joined, indices, None, None, True)
+        elif len(parts) > 1 and len(statics) == 1:
             lengths = tf.stack([tf.shape(p.indices)[0] for p in parts])
             joined, indices = _sparse.join(joined, indices, lengths,
                                            statics.pop())

@@ -27,8 +27,10 @@ paths; a `train_step` override needs the `"strategy"` path, whose replicas can
 wait for each other (a GAN's generator step reads the discriminator that
 every replica's gradients just updated).
 
-What differs from one device: a loss the user's own step computes as a
-batch *sum* by hand (weighted as a mean); synchronized BatchNormalization
+A non-scalar target of `tape.gradient` with a row per example (a per-pixel
+loss) is differentiated as the batch sum it is (`_tape`). What differs from
+one device: a scalar loss the user's own step computes as a batch *sum* by
+hand (weighted as a mean); synchronized BatchNormalization
 with uneven shards (the share weighting follows differentiation, so its
 cross-replica terms are weighted by the wrong shares); gradient
 accumulation and `LossScaleOptimizer` clip per replica, before the
@@ -49,6 +51,7 @@ from keras_mirror.replica_context import active
 from keras_mirror.steps import _metric_weights
 from keras_mirror.steps import _scope
 from keras_mirror.steps import _stand_in
+from keras_mirror.steps import _tape
 from keras_mirror.steps import arithmetic
 
 PREFIX = "replica_"
@@ -81,7 +84,7 @@ def setup(model):
 
 def warn_inexact(model, custom, devices):
     """Warns, at wrap time, of what a model's own step cannot do exactly."""
-    from keras_mirror import _rebuild
+    from keras_mirror.wrapper import _rebuild
 
     synchronized = _rebuild.synchronized_layers(model)
     if custom and synchronized and len(devices) > 1:
@@ -209,8 +212,9 @@ def _run(mirrored, data, method):
                              options=mirrored._comm_options,
                              gradient_dtype=mirrored._gradient_dtype,
                              offset=tf.gather(offsets, r),
-                             reduce_error=_graph_reduce_error(mirrored))
-        with activate(ctx):
+                             reduce_error=_graph_reduce_error(mirrored),
+                             shares_after_gradient=True)
+        with activate(ctx), _tape.per_row_targets():
             out = step(shard_data)
         samples = tf.reshape(tf.cast(shard_rows, tf.float32), [1])
         if method == "predict_step":

@@ -129,18 +129,14 @@ class ReplicaSteps:
         return self._contribution(shard, count, total, first, rows), shard
 
     def _contribution(self, shard, count, total, first, rows):
-        """`arithmetic.contribution`; batch-sum terms (`_reductions`) whole.
+        """`arithmetic.contribution`, each term by its kind (`_reductions`).
 
         A stand-in replica (`rows` 0) contributes nothing but, on replica
         0, the weight regularisation.
         """
-        reductions = getattr(self, "_reductions", None)
-        summed = (reductions.sum_terms(shard, self._inner.losses)
-                  if reductions is not None else 0.0)
-        reg = arithmetic.weight_regularization(self._inner)
-        summed = tf.where(rows > 0, summed, 0.0)
-        return arithmetic.contribution(
-            shard - summed, reg, count, total, first) + summed
+        return _reductions.weighted(
+            getattr(self, "_reductions", None), self._inner, shard,
+            self._inner.losses, count, total, first, rows)
 
     def _with_mask(self, y_pred, mask):
         """`(y_pred, its mask)` to gather, noting whether there is one."""

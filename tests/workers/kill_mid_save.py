@@ -9,7 +9,8 @@ it closes the file (the archive or HDF5 file half written) and saves again:
 - `save`: `mirrored.save(DIR/model.keras)`, killed in `ZipFile.close`.
 - `checkpoint`: `fit` with `keras.callbacks.ModelCheckpoint(
   DIR/ckpt.weights.h5, save_weights_only=True)` given the `MirroredModel`,
-  killed in `h5py.File.close` while saving after epoch 2.
+  killed in `h5py.File.close` while saving after epoch 2 (the callback
+  gets the user's model, whose saves go through the wrapper's).
 """
 
 import os
@@ -43,7 +44,7 @@ class _KillOnSecondSave(keras.callbacks.Callback):
     def on_epoch_begin(self, epoch, logs=None):
         if epoch == 1:  # the checkpoint of epoch 0 is complete
             np.savez(os.path.join(self.directory, "first.npz"),
-                     *self.model.model.get_weights())
+                     *self.model.get_weights())
             _kill_on_close(h5py.File)
 
 

@@ -15,6 +15,8 @@ Modes:
   no longer has an index INDEX, else sleep.
 - `ready-only INDEX`: only worker INDEX marks itself ready; all sleep.
 - `sleep`: marks itself ready and sleeps.
+- `spawn`: marks itself ready, starts a helper process (`sleep 60`, as a
+  data loader would), prints `helper pid=PID` and sleeps.
 
 Sleeping workers print `sleeping pid=PID` first. Readiness follows the
 protocol of `keras_mirror.launch.mark_ready` (create the file named by
@@ -40,12 +42,23 @@ def _sleep():
     return 0
 
 
+def _spawn():
+    import subprocess
+
+    helper = subprocess.Popen(["sleep", "60"])
+    print(f"helper pid={helper.pid}", flush=True)
+    _mark_ready()
+    return _sleep()
+
+
 def main(mode, *args):
     config = json.loads(os.environ["TF_CONFIG"])
     index = config["task"]["index"]
     attempt = int(os.environ["KERAS_MIRROR_RESTART"])
     if mode == "stubborn" and index != int(args[0]):
         signal.signal(signal.SIGTERM, signal.SIG_IGN)
+    if mode == "spawn":
+        return _spawn()
     if mode == "print":
         print(f"task index {index} of {config['cluster']['worker']}")
         print(f"hello from stderr {index}", file=sys.stderr)

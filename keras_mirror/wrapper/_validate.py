@@ -14,7 +14,9 @@ import keras
 import numpy as np
 import tensorflow as tf
 
-from keras_mirror import _inputs
+from keras_mirror.wrapper import _arguments
+from keras_mirror.wrapper import _inputs
+from keras_mirror.wrapper import _targets
 
 
 def check_choice(name, value, choices):
@@ -26,15 +28,7 @@ def check_choice(name, value, choices):
         )
 
 
-def _positive_int(name, value):
-    if value is None:
-        return
-    if isinstance(value, bool) or not isinstance(value, (int, np.integer)) \
-            or value < 1:
-        raise ValueError(
-            f"`{name}` must be a positive integer or None. "
-            f"Received: {name}={value!r}"
-        )
+_positive_int = _arguments.positive_int
 
 
 def _rows(t):
@@ -78,12 +72,11 @@ def _cardinality(dataset):
 def _check_dataset(x, steps_per_epoch, batch_mode, num_replicas):
     """A dataset must yield, hold enough batches and group evenly."""
     card = _cardinality(x)
-    if card == 0 or (card == tf.data.UNKNOWN_CARDINALITY
-                     and not list(x.take(1))):
-        raise ValueError(
-            "`x` must yield at least one batch, but the dataset is empty. "
-            f"Received: x={x!r}"
-        )
+    # A dataset of unknown size is not read ahead to see whether it is
+    # empty (plain Keras reads each element once): the first step says so
+    # (`steps._probing`).
+    if card == 0:
+        raise empty_dataset(x)
     if card < 0:
         return
     if batch_mode == "per_replica":
@@ -96,6 +89,13 @@ def _check_dataset(x, steps_per_epoch, batch_mode, num_replicas):
             "`dataset.repeat()` for more). "
             f"Received: steps_per_epoch={steps_per_epoch!r}"
         )
+
+
+def empty_dataset(x):
+    """The error for an input `x` that yields no batch."""
+    return ValueError(
+        "`x` must yield at least one batch, but the dataset is empty. "
+        f"Received: x={x!r}")
 
 
 def _check_groups(batches, num_replicas):
@@ -201,10 +201,14 @@ def _check_input_structure(model, x, name="x"):
 
 
 def check_fit_inputs(mirrored, x, y, batch_size, steps_per_epoch,
-                     sample_weight=None):
+                     kwargs=None, epochs=1, callbacks=None):
     """Validates `fit`'s input arguments before any step runs."""
+    kwargs = kwargs or {}
+    sample_weight = kwargs.get("sample_weight")
     _positive_int("batch_size", batch_size)
     _positive_int("steps_per_epoch", steps_per_epoch)
+    _arguments.check_fit_arguments(epochs, callbacks, kwargs)
+    _targets.check_sample_weight_type(sample_weight)
     if isinstance(x, tf.data.Dataset):
         _check_dataset(x, steps_per_epoch, mirrored.batch_mode,
                        mirrored.num_replicas)
@@ -215,7 +219,9 @@ def check_fit_inputs(mirrored, x, y, batch_size, steps_per_epoch,
         _check_values("x", x)
         _check_values("y", y)
         _check_lengths(x, y, sample_weight)
-    _check_targets(mirrored._inner, x, y)
+        _targets.check(mirrored._inner, x, y, sample_weight)
+    if not mirrored._custom_step:  # its own `train_step` decides its data
+        _check_targets(mirrored._inner, x, y)
     _check_input_structure(mirrored._inner, x)
     warn_idle_replicas(mirrored, x, batch_size)
 
@@ -229,6 +235,8 @@ def check_built_model(mirrored, x, y):
             "nothing to train. Received: model="
             f"{mirrored.model.name!r} with 0 trainable weights"
         )
+    if _inputs.is_array(x):  # the labels' range needs the built outputs
+        _targets.check_sparse_labels(inner, y)
 
 
 # -- issue 16: more inputs, checked before the first step -----------------
@@ -296,26 +304,37 @@ def _check_batch_rows(name, x, y, sample_weight):
                 f"{rows[part]} {part} rows and {rows['x']} input rows")
 
 
-def check_inputs(mirrored, x, y=None, sample_weight=None, name="x"):
+def check_predict_inputs(x, batch_size):
+    """`predict`'s `x` and `batch_size`, before any step."""
+    _positive_int("batch_size", batch_size)
+    _check_values("x", x)
+
+
+def check_inputs(mirrored, x, y=None, sample_weight=None, name="x",
+                 batch_size=None):
     """Validates one input (fit's, evaluate's, `*_on_batch`'s, or
-    `validation_data`) before any step: values, rows and the model's input
-    shape; for a dataset or generator, its first batch."""
+    `validation_data`) before any step: values, rows, targets and the
+    model's input shape; for a dataset or generator, its first batch."""
+    _positive_int("batch_size", batch_size)
+    _targets.check_sample_weight_type(sample_weight)
     _check_values("x", x)
     _check_values("y", y)
     batch = None
     if isinstance(x, tf.data.Dataset) or _inputs.is_generator(x):
-        batch = _inputs.first_batch(x)
+        batch = _inputs.first_batch(x, shapes_only=True)
     elif _inputs.is_array(x):
         _check_lengths(x, y, sample_weight)
         batch = (x, y, sample_weight)
     if batch is None:
         return
     _check_values("y", batch[1])
+    _targets.check(mirrored.model, *batch)
     if not _inputs.is_array(x):
         _check_batch_rows(name, *batch)
     model = mirrored.model
     if getattr(model, "built", False):
         _check_input_structure(model, batch[0], name)
+        _inputs.expect_input_shapes(x, _expected_inputs(model))
 
 
 def check_more_fit_inputs(mirrored, x, validation_data, kwargs):

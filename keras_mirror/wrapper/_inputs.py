@@ -15,10 +15,11 @@ import numpy as np
 import tensorflow as tf
 
 from keras_mirror import split
+from keras_mirror.steps import _slicing
 
 
 def is_array(x):
-    return all(isinstance(t, (np.ndarray, tf.Tensor))
+    return all(isinstance(t, (np.ndarray, tf.Tensor, tf.SparseTensor))
                for t in tf.nest.flatten(x) if t is not None) and x is not None
 
 
@@ -60,17 +61,31 @@ def batch_from_spec(dataset):
     return tf.nest.pack_sequence_as(spec, zeros)
 
 
-def first_batch(x, y=None, sample_weight=None):
+def _dense_spec(dataset):
+    """`dataset`'s element spec when every leaf is a dense `tf.TensorSpec`."""
+    spec = dataset.element_spec
+    leaves = tf.nest.flatten(spec)
+    if leaves and all(type(leaf) is tf.TensorSpec for leaf in leaves):
+        return spec
+    return None
+
+
+def first_batch(x, y=None, sample_weight=None, shapes_only=False):
     """A small `(x, y, sample_weight)` batch of the input, or None.
 
     Used to build an unbuilt model and the compiled loss and metrics before
     the first step, so that nothing is created inside a replica. A dataset
     gives a batch of zeros built from its element spec (`batch_from_spec`),
-    without reading it; only a dataset whose spec leaves shapes open is
-    read, one element.
+    without reading it; with `shapes_only` (a built model, whose loss and
+    metrics build from shapes), a spec with open dimensions is returned as
+    it is (`tf.TensorSpec`s), unread. Only a dataset whose spec leaves
+    shapes open for an unbuilt model, or that holds ragged or sparse
+    leaves, is read: one element.
     """
     if isinstance(x, tf.data.Dataset):
         element = batch_from_spec(x)
+        if element is None and shapes_only:
+            element = _dense_spec(x)
         if element is None:
             element = next(iter(x.take(1)))
         return keras.utils.unpack_x_y_sample_weight(element)
@@ -80,7 +95,8 @@ def first_batch(x, y=None, sample_weight=None):
         return keras.utils.unpack_x_y_sample_weight(_FIRST[x])
     if x is not None and is_array(x):
         return tf.nest.map_structure(
-            lambda t: None if t is None else t[:1], (x, y, sample_weight))
+            lambda t: None if t is None else _slicing.head(t, 1),
+            (x, y, sample_weight))
     return None
 
 
@@ -187,9 +203,10 @@ def adapt_generator(generator, num_replicas, batch_mode):
         raise ValueError(
             "`x` must yield at least one batch, but the generator is empty. "
             f"Received: x={generator!r}")
-    items = itertools.chain([first], generator)
+    holder = {}  # the model's input shapes, once `expect_input_shapes`
+    items = _same_shapes(first, itertools.chain([first], generator), holder)
     if batch_mode == "global":
-        return None, _peeked(first, items)
+        return None, _peeked(first, items, holder)
     capacity = num_rows(keras.utils.unpack_x_y_sample_weight(first)[0])
 
     def joined():
@@ -199,19 +216,68 @@ def adapt_generator(generator, num_replicas, batch_mode):
                 return
             yield _join(group, num_replicas, capacity)
 
-    return capacity, _peeked(first, joined())
+    return capacity, _peeked(first, joined(), holder)
+
+
+def _ranks(element):
+    """(structure, each leaf's rank) of one batch."""
+    return (tf.nest.map_structure(lambda _: 0, element),
+            [len(getattr(t, "shape", ())) for t in tf.nest.flatten(element)])
+
+
+def _fits(shape, expected):
+    return len(shape) == len(expected) and all(
+        e is None or s == e for s, e in zip(shape[1:], expected[1:]))
+
+
+def _same_shapes(first, items, holder):
+    """`items`, refusing an element whose structure or ranks differ from
+    the first's, or whose inputs do not fit the model's input shapes
+    (`holder["x"]`): a traced step would fail on it with an error that
+    names nothing. Dimensions the model leaves open may vary."""
+    expected = _ranks(first)
+    for index, element in enumerate(items):
+        if _ranks(element) != expected:
+            raise ValueError(
+                "Every batch of the generator `x` must have the structure "
+                f"and ranks of its first batch: batch {index} differs. "
+                f"Received: a batch of ranks {_ranks(element)[1]} after a "
+                f"first batch of ranks {expected[1]}")
+        inputs = tf.nest.flatten(
+            keras.utils.unpack_x_y_sample_weight(element)[0])
+        for leaf, shape in zip(inputs, holder.get("x") or ()):
+            if not _fits(tuple(leaf.shape), shape):
+                raise ValueError(
+                    f"Every batch of the generator `x` must have the shape "
+                    f"{shape} (None: any size) of the model's input: batch "
+                    f"{index} differs. Received: x.shape="
+                    f"{tuple(leaf.shape)} in batch {index}")
+        yield element
+
+
+def expect_input_shapes(x, inputs):
+    """Tells a generator from `adapt_generator` the model's inputs (a
+    structure of `KerasTensor`s, or None), whose shapes each batch must
+    fit."""
+    holder = _HOLDERS.get(x) if is_generator(x) else None
+    if holder is not None and inputs is not None:
+        holder["x"] = [tuple(t.shape) for t in tf.nest.flatten(inputs)]
 
 
 # Generators whose first element was read ahead -> that element.
 _FIRST = weakref.WeakKeyDictionary()
 
 
-def _peeked(first, iterator):
+_HOLDERS = weakref.WeakKeyDictionary()
+
+
+def _peeked(first, iterator, holder=None):
     def generator():
         yield from iterator
 
     out = generator()
     _FIRST[out] = first
+    _HOLDERS[out] = holder if holder is not None else {}
     return out
 
 
@@ -222,6 +288,15 @@ def _join(group, num_replicas, capacity):
             f"multiple of the replica count ({num_replicas}): the last "
             "group of batches is short. Received: a final group of "
             f"{len(group)} batch(es) from the generator `x`")
+    shapes = [[tuple(t.shape)[1:] for t in tf.nest.flatten(g)]
+              for g in group]
+    if any(shape != shapes[0] for shape in shapes):
+        raise ValueError(
+            "`batch='per_replica'` joins each group of "
+            f"{num_replicas} consecutive batches of the generator `x` into "
+            "one global batch, so they must have the same shapes apart "
+            f"from the rows. Received: a group of batches of shapes "
+            f"{shapes} (rows dropped)")
     sizes = [num_rows(keras.utils.unpack_x_y_sample_weight(g)[0])
              for g in group]
     if tuple(sizes) != split.fill_sizes(sum(sizes), num_replicas, capacity):

@@ -4,9 +4,12 @@
 `_homes.py`); nothing here copies a model.
 """
 
+import functools
+
 import keras
 import tensorflow as tf
 
+from keras_mirror import _compat
 from keras_mirror import errors
 
 
@@ -23,10 +26,12 @@ def check_model(model):
 
 
 def check_not_wrapped(model):
-    """Refuses a `MirroredModel` passed to `MirroredModel`."""
-    from keras_mirror.mirrored_model import MirroredModel
+    """Refuses a `MirroredModel` passed to `MirroredModel`.
 
-    if isinstance(model, MirroredModel):
+    Recognised by its class marker `_keras_mirror_wrapper`, not by
+    `isinstance`: this module sits below `mirrored_model` and cannot import it.
+    """
+    if getattr(type(model), "_keras_mirror_wrapper", False):
         raise ValueError(
             "`model` is already a `MirroredModel`: wrap the plain Keras "
             "model once (`MirroredModel(model)`), or use the existing "
@@ -129,9 +134,51 @@ def check_no_outer_scope(model):
     `_rebuild.check_not_wrapped`.)"""
     if tf.distribute.has_strategy():
         strategy = tf.distribute.get_strategy()
-        raise ValueError(
+        raise errors.StrategyScopeError(
             "`MirroredModel` must be created outside any "
             "`tf.distribute.Strategy.scope()`: it makes its own strategy "
             "over `devices`, and TensorFlow cannot mix two. Create it after "
             "the `with strategy.scope():` block. Received: a MirroredModel "
             f"created inside {type(strategy).__name__}.scope()")
+
+
+def check_no_foreign_variables(model):
+    """Refuses a model whose variables belong to another strategy.
+
+    A model built inside `tf.distribute.MirroredStrategy().scope()` holds
+    distributed variables that only that strategy can update; TensorFlow
+    would fail deep in the first step (`Need to be inside "with
+    strategy.scope()"`).
+    """
+    for variable in getattr(model, "variables", []):
+        tf_variable = _compat.backing(variable)
+        if isinstance(tf_variable, tf.distribute.DistributedValues):
+            raise errors.StrategyScopeError(
+                "`model` must be built outside any `tf.distribute` "
+                "strategy: its variable "
+                f"{variable.path!r} belongs to a strategy "
+                f"({type(tf_variable).__name__}), and keras-mirror makes "
+                "its own. Build the model (or load it) outside the "
+                "`with strategy.scope():` block. Received: model="
+                f"{model.name!r} with {type(tf_variable).__name__}s")
+
+
+def outside_other_strategies(method):
+    """Decorates a `MirroredModel` method: refuses to run it inside the
+    scope of a strategy other than the wrapper's own, before anything
+    (an optimizer's slots, a traced step) is created under it."""
+    @functools.wraps(method)
+    def checked(mirrored, *args, **kwargs):
+        if tf.distribute.has_strategy() and \
+                tf.distribute.get_strategy() is not mirrored._strategy:
+            strategy = tf.distribute.get_strategy()
+            raise errors.StrategyScopeError(
+                f"`MirroredModel.{method.__name__}` must be called outside "
+                "any other `tf.distribute.Strategy.scope()`: the wrapper "
+                "runs on its own strategy over `devices`, and TensorFlow "
+                "cannot mix two. Call it after the `with strategy.scope():` "
+                f"block. Received: {method.__name__} called inside "
+                f"{type(strategy).__name__}.scope()")
+        return method(mirrored, *args, **kwargs)
+
+    return checked

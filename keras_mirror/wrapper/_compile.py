@@ -15,17 +15,18 @@ import keras
 import tensorflow as tf
 
 from keras_mirror import _compat
-from keras_mirror import _inputs
-from keras_mirror import _rebuild
 from keras_mirror.distribute import _homes
-from keras_mirror.steps import _reductions
 from keras_mirror.steps import own_step
+from keras_mirror.wrapper import _arguments
+from keras_mirror.wrapper import _inputs
+from keras_mirror.wrapper import _rebuild
 
 EXACT_REDUCTIONS = ("sum_over_batch_size", "mean")
 
 
 def compile(mirrored, *args, **kwargs):
     """`MirroredModel.compile`: the model's own `compile`, then `adopt`."""
+    _arguments.check_steps_per_execution(kwargs)
     if not mirrored._custom_step:
         check_reductions(kwargs.get("loss", args[1] if len(args) > 1
                                     else None))
@@ -139,18 +140,30 @@ def build(mirrored, batch):
     inner = mirrored._inner
     if not getattr(inner, "compiled", False):
         return
-    if not mirrored._custom_step or _compat.has_compiled_loss_or_metrics(
-            inner):
+    if not mirrored._custom_step:
         _compat.symbolic_build(inner, batch)
+    elif _compat.has_compiled_loss_or_metrics(inner):
+        _build_own_step_loss(inner, batch)
     variables = inner.trainable_variables
     for optimizer in _homes.optimizers_of(inner):
         if not optimizer.built and variables:
             # An optimizer of a model's own step may update any subset of
             # the variables; built on all of them, it can.
             optimizer.build(variables)
-    if not mirrored._custom_step and getattr(mirrored, "_reductions",
-                                             None) is None:
-        mirrored._reductions = _reductions.probe(inner, batch)
+
+
+def _build_own_step_loss(model, batch):
+    """Builds the compiled loss and metrics of a model with its own step.
+
+    Its own `train_step` decides what the compiled objects see (keras.io's
+    DDIM has no `call` and uses `self.loss` as a plain function); when the
+    model cannot be run symbolically, they are left to that step, as on
+    one device.
+    """
+    try:
+        _compat.symbolic_build(model, batch)
+    except (NotImplementedError, RuntimeError):
+        pass
 
 
 def ensure_built(mirrored, x, y=None, sample_weight=None):
@@ -161,8 +174,9 @@ def ensure_built(mirrored, x, y=None, sample_weight=None):
     Everything is built on one device, as the user's model would be;
     the variables then move to the strategy (`_homes`).
     """
-    batch = _inputs.first_batch(x, y, sample_weight)
     inner = mirrored._inner
+    batch = _inputs.first_batch(x, y, sample_weight,
+                                shapes_only=inner.built)
     if batch is None:
         if inner.built and all(
                 o.built for o in _homes.optimizers_of(inner)):

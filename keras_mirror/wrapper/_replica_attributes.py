@@ -6,6 +6,7 @@ A mixin of `MirroredModel` (as Keras's `Model` takes `fit` from its
 
 from keras_mirror import allreduce
 from keras_mirror import split
+from keras_mirror.callbacks import _replica_logs
 from keras_mirror.distribute import _multi_worker
 from keras_mirror.steps import _execution
 
@@ -52,6 +53,11 @@ class ReplicaAttributes:
         return self._worker_input
 
     @property
+    def virtual_shards(self):
+        """Virtual shards of a `tf.data` input (`worker_input="shard"`)."""
+        return self._virtual_shards
+
+    @property
     def devices(self):
         """The replicas' device names, in replica order."""
         return self._devices
@@ -71,6 +77,20 @@ class ReplicaAttributes:
     def replica_stats(self):
         """Whether training steps compute the per-replica statistics."""
         return self._replica_stats
+
+    @property
+    def last_replica_logs(self):
+        """The per-replica values of the last step, as NumPy vectors.
+
+        A dict `{name: vector of num_replicas values, in replica order}`
+        with the names of `replica_history` (`"loss"`, `"samples"`,
+        `"grad_norm"`, ... or a model's own step's keys), filled by every
+        training step (`fit`, `train_on_batch`) and by `test_on_batch`;
+        `{}` before the first step. `train_on_batch` and `test_on_batch`
+        return exactly what plain Keras returns; this is where their
+        per-replica values are.
+        """
+        return _replica_logs.last_logs(self)
 
     @property
     def batch_mode(self):

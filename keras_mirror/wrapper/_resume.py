@@ -24,9 +24,11 @@ import collections
 import math
 
 import keras
+import numpy as np
 import tensorflow as tf
 
-from keras_mirror import _inputs
+from keras_mirror.steps import _slicing
+from keras_mirror.wrapper import _inputs
 
 Segment = collections.namedtuple(
     "Segment", ["skip", "first_epoch", "end_epoch", "steps_per_epoch"])
@@ -48,7 +50,7 @@ def split_validation(x, y, kwargs):
 
     def cut(t, start, end):
         return None if t is None else tf.nest.map_structure(
-            lambda a: a[start:end], t)
+            lambda a: _slicing.between(a, start, end), t)
 
     train = [cut(t, 0, at) for t in (x, y, weights)]
     kwargs["validation_data"] = tuple(cut(t, at, rows)
@@ -83,6 +85,25 @@ def epoch_steps(epoch, initial_epoch, steps_per_epoch, batches):
     per_pass = -(-batches // steps_per_epoch)
     start = ((epoch - initial_epoch) % per_pass) * steps_per_epoch
     return start, min(steps_per_epoch, batches - start)
+
+
+def impossible_position(position, epochs, initial_epoch, steps_per_epoch,
+                        batches):
+    """Why a backup's `(epoch, step)` cannot be a position of this run (the
+    epochs, `initial_epoch`, steps per epoch), or None if it can."""
+    position = np.asarray(position)
+    if position.shape != (2,) or position.dtype.kind not in "iu":
+        return "it is not two integers"
+    epoch, step = (int(v) for v in position)
+    if not initial_epoch <= epoch <= epochs:
+        return (f"the epoch must be in [{initial_epoch}, {epochs}] "
+                f"(initial_epoch={initial_epoch}, epochs={epochs})")
+    if step < 0 or (epoch == epochs and step > 0):
+        return "the step must be 0 or more, and 0 after the last epoch"
+    _, steps = epoch_steps(epoch, initial_epoch, steps_per_epoch, batches)
+    if steps is not None and step > steps:
+        return f"epoch {epoch} has {steps} step(s)"
+    return None
 
 
 def plan(position, epochs, initial_epoch, steps_per_epoch, batches):
@@ -159,7 +180,7 @@ def skip(x, y, kwargs, batches, batch_size):
 
     def cut(t):
         return None if t is None else tf.nest.map_structure(
-            lambda a: a[rows:], t)
+            lambda a: _slicing.between(a, rows), t)
 
     if kwargs.get("sample_weight") is not None:
         kwargs["sample_weight"] = cut(kwargs["sample_weight"])
@@ -187,3 +208,13 @@ class SkippedPyDataset(keras.utils.PyDataset):
 
     def on_epoch_end(self):
         self._dataset.on_epoch_end()
+
+
+def merge(before, after):
+    """One `History` of consecutive `fit` calls."""
+    if before is None:
+        return after
+    for k, v in before.history.items():
+        after.history[k] = list(v) + list(after.history.get(k, []))
+    after.epoch = list(before.epoch) + list(after.epoch)
+    return after

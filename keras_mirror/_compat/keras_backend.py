@@ -1,0 +1,151 @@
+"""Keras's variables, masks, random draws and TF backend functions."""
+
+import contextlib  # noqa: F401
+
+import keras  # noqa: F401
+
+from keras_mirror._compat._base import _missing  # noqa: F401
+from keras_mirror._compat._base import _require
+
+# -- masks (keras_mirror.steps.arithmetic, steps.in_graph) ----------------
+
+# A masking layer (`Embedding(mask_zero=True)`, `Masking`) marks its output
+# with a mask that Keras keeps on the tensor itself; the compiled loss divides
+# a masked output's loss by the number of unmasked entries, and the compiled
+# metrics skip masked entries. keras-mirror reads each shard's mask to weight
+# the shard by its share of the unmasked entries (not of the rows), and sets
+# the concatenated mask on the concatenated predictions, so that loss and
+# metrics equal one device's. Keras exposes no public accessor for it.
+_MASK_MODULE = "keras.src.backend.common.masking"
+
+
+def _masking():
+    import importlib
+
+    module = importlib.import_module(_MASK_MODULE)
+    _require(module, ("get_keras_mask", "set_keras_mask"), _MASK_MODULE,
+             "weight masked losses exactly")
+    return module
+
+
+def get_mask(tensor):
+    """The Keras mask of `tensor`, or None."""
+    return _masking().get_keras_mask(tensor)
+
+
+def set_mask(tensor, mask):
+    """Marks `tensor` with the Keras mask `mask` (in place)."""
+    _masking().set_keras_mask(tensor, mask)
+
+
+# -- the user's variables, re-homed in place (keras_mirror._homes) ------------
+
+# A Keras variable (`keras.Variable`, TF backend) keeps its TensorFlow variable
+# in `_value` and creates it in `_initialize(value)`, with the aggregation and
+# synchronization Keras chose. keras-mirror trains the user's own model object
+# on a `MirroredStrategy` by giving each of its variables a second backing
+# variable made by `_initialize` inside the strategy's scope (a
+# `MirroredVariable`, the value kept), and switches between the two: mirrored
+# while the wrapper trains, single-device otherwise, so that the user's
+# `model.fit`/`predict` keep working on one device. Keras has no public way to
+# re-home a variable.
+_VARIABLE_BACKING = "_value"
+_VARIABLE_INITIALIZE = "_initialize"
+
+
+def _check_variable_api(variable):
+    _require(variable, (_VARIABLE_BACKING, _VARIABLE_INITIALIZE), "Variable",
+             "train the model's own variables on a tf.distribute strategy")
+
+
+def backing(variable):
+    """The TensorFlow variable behind a Keras variable."""
+    _check_variable_api(variable)
+    return getattr(variable, _VARIABLE_BACKING)
+
+
+def set_backing(variable, tf_variable):
+    """Makes `tf_variable` the one behind the Keras `variable`."""
+    _check_variable_api(variable)
+    setattr(variable, _VARIABLE_BACKING, tf_variable)
+
+
+def new_backing(variable, value):
+    """A new TF variable for `variable` (in the current scope), not installed.
+
+    It has the Keras variable's dtype, aggregation and synchronization, and
+    the current backing's own `trainable` flag: the one TensorFlow's tape
+    reads, fixed when the backing was made (a layer frozen then unfrozen
+    keeps it), so that gradients flow exactly where they flow on one
+    device. Created inside a strategy's scope it is distributed.
+    """
+    current = backing(variable)
+    keras_trainable = variable.trainable
+    try:
+        variable.trainable = getattr(current, "trainable", keras_trainable)
+        getattr(variable, _VARIABLE_INITIALIZE)(value)
+        return backing(variable)
+    finally:
+        variable.trainable = keras_trainable
+        set_backing(variable, current)
+
+
+# -- keras.random draws inside a replica (keras_mirror._random) ---------------
+
+# Keras's random functions (`keras.random.*`, Dropout, GaussianNoise, ...)
+# call the TF backend's module `keras.src.backend.tensorflow.random` at call
+# time, through the `backend.random` attribute. keras-mirror replaces its
+# shape-taking functions while a replica step is traced, so that a draw whose
+# leading dimension is the replica's shard draws the global batch's rows (same
+# seed, same generator advance) and keeps this shard's: exactly one device's
+# numbers. The names replaced are checked here.
+_RANDOM_MODULE = "keras.src.backend.tensorflow.random"
+RANDOM_FUNCTIONS = ("normal", "uniform", "truncated_normal", "randint",
+                    "dropout", "gamma", "binomial", "beta", "categorical",
+                    "shuffle")
+
+
+def random_module():
+    """The TF backend's random module, checked for the functions replaced."""
+    import importlib
+
+    module = importlib.import_module(_RANDOM_MODULE)
+    _require(module, RANDOM_FUNCTIONS + ("_cast_seed", "draw_seed"),
+             _RANDOM_MODULE,
+             "make random draws inside a replica equal one device's")
+    return module
+
+
+# Synchronized BatchNormalization computes its moments through the TF
+# backend's `nn.moments(..., synchronized=True)`, which calls the module's
+# `_compute_moments_sync` at call time: local sums and counts, all-reduced.
+# keras-mirror replaces it inside replica steps so that a stand-in replica
+# (an empty shard running one row, `steps/_stand_in.py`) adds nothing.
+_NN_MODULE = "keras.src.backend.tensorflow.nn"
+SYNC_MOMENTS = "_compute_moments_sync"
+
+
+def moments_module():
+    """The TF backend's nn module, checked for the synchronized moments."""
+    import importlib
+
+    module = importlib.import_module(_NN_MODULE)
+    _require(module, (SYNC_MOMENTS, "moments"), _NN_MODULE,
+             "leave empty shards out of synchronized BatchNorm statistics")
+    return module
+
+
+# Keras keeps the generator that unseeded `keras.random` calls draw from in
+# its global state, created on first use; `verify` restores its state.
+_GLOBAL_STATE_MODULE = "keras.src.backend.common.global_state"
+_GLOBAL_SEED_GENERATOR = "global_seed_generator"
+
+
+def global_seed_generator():
+    """Keras's global `SeedGenerator`, or None when none was made yet."""
+    import importlib
+
+    module = importlib.import_module(_GLOBAL_STATE_MODULE)
+    _require(module, ("get_global_attribute",), _GLOBAL_STATE_MODULE,
+             "restore the global seed generator after `verify`")
+    return module.get_global_attribute(_GLOBAL_SEED_GENERATOR)

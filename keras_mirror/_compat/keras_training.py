@@ -1,0 +1,236 @@
+"""Keras's trainer, optimizers, losses and compiled metrics."""
+
+import contextlib
+
+import keras
+
+from keras_mirror._compat._base import _missing  # noqa: F401
+from keras_mirror._compat._base import _replace_method
+from keras_mirror._compat._base import _require
+
+# The TF backend's optimizer sums gradients across replicas inside `apply`
+# (`TFOptimizer._all_reduce_sum_gradients`). keras-mirror all-reduces them
+# itself first (so that clipping, weight decay and loss scaling see the global
+# gradient, as on one device) and must switch this second reduction off, or
+# gradients would count `N` times.
+_ALLREDUCE_HOOK = "_all_reduce_sum_gradients"
+
+# `fit` starts at `Trainer._initial_epoch` when set; Keras's `BackupAndRestore`
+# sets it on the model it resumes. Callbacks get the user's model, so the
+# wrapper's attribute is the user model's (`_user_model.UserModelState`).
+INITIAL_EPOCH = "_initial_epoch"
+
+# The loss tracker that `fit` reports as `loss`; Keras exposes it only through
+# `model.metrics`, by name, so we look it up there.
+_LOSS_TRACKER = "_loss_tracker"
+
+
+# Keras builds the compiled loss and metrics lazily, on their first call. In a
+# replica step that would create their variables inside `strategy.run`;
+# `Trainer._symbolic_build` (what stock `fit` runs under a strategy) builds
+# them from a batch's shapes without running a step.
+_SYMBOLIC_BUILD = "_symbolic_build"
+
+
+def _identity_allreduce(grads_and_vars):
+    return list(grads_and_vars)
+
+
+def disable_optimizer_allreduce(optimizer):
+    """Stops `optimizer` (and a wrapped inner optimizer) from all-reducing."""
+    replace_optimizer_allreduce(optimizer, lambda original: _identity_allreduce)
+
+
+def loss_tracker(model):
+    """The `Mean` metric behind `logs["loss"]`, or None before compile."""
+    return getattr(model, _LOSS_TRACKER, None)
+
+
+# -- models with their own `train_step` (keras_mirror._custom_step) ---------
+
+# Inside a `tf.distribute` strategy, Keras divides every reduced loss by the
+# replica count (`keras.src.losses.loss.scale_loss_for_distribution`, used by
+# `Loss.__call__` and `Model.compute_loss`; `unscale_loss_for_distribution`
+# undoes it for the loss trackers). A user's own `train_step` run per replica
+# must see the loss one device computes on its shard, so that keras-mirror
+# can weight the gradients by the shard's share of the global batch instead;
+# both functions are replaced by the identity while the replicas' steps are
+# traced.
+_LOSS_MODULE = "keras.src.losses.loss"
+_LOSS_SCALERS = ("scale_loss_for_distribution", "unscale_loss_for_distribution")
+
+
+def _loss_module():
+    import importlib
+
+    return importlib.import_module(_LOSS_MODULE)
+
+
+def _identity(value):
+    return value
+
+
+@contextlib.contextmanager
+def unscaled_losses():
+    """Within the block, Keras losses are not divided by the replica count."""
+    module = _loss_module()
+    saved = {}
+    for name in _LOSS_SCALERS:
+        _require(module, (name,), _LOSS_MODULE,
+                 "compute a replica's own loss exactly")
+        saved[name] = getattr(module, name)
+    try:
+        for name in _LOSS_SCALERS:
+            setattr(module, name, _identity)
+        yield
+    finally:
+        for name, fn in saved.items():
+            setattr(module, name, fn)
+
+
+def replace_optimizer_allreduce(optimizer, make_hook):
+    """Replaces the gradient all-reduce of `optimizer` (and its inner one).
+
+    `make_hook(original)` receives the optimizer's own bound
+    `_all_reduce_sum_gradients` and returns the function that takes its
+    place (same contract: a list of `(gradient, variable)` pairs in, the
+    all-reduced list out).
+    """
+    for opt in (optimizer, getattr(optimizer, "inner_optimizer", None)):
+        if opt is None:
+            continue
+        _replace_method(opt, _ALLREDUCE_HOOK, make_hook,
+                        "replace the optimizer's own gradient all-reduce")
+
+
+# An optimizer clips (`clipnorm`, `global_clipnorm`, `clipvalue`) in
+# `_clip_gradients`, before its all-reduce hook. In a model's own `train_step`
+# keras-mirror all-reduces there instead, so that clipping sees the global
+# gradient, as on one device.
+_CLIP_HOOK = "_clip_gradients"
+
+
+def replace_optimizer_clip(optimizer, make_hook):
+    """Replaces `optimizer._clip_gradients` by `make_hook(original)`."""
+    _replace_method(optimizer, _CLIP_HOOK, make_hook,
+                    "all-reduce gradients before clipping")
+
+
+def symbolic_build(model, data_batch):
+    """Builds the model, compiled loss and compiled metrics from a batch."""
+    getattr(model, _SYMBOLIC_BUILD)(data_batch=data_batch)
+
+
+# Keras's compiled loss updates one `Mean` tracker per output with
+# `sample_weight=<the batch's static row count>`, which a shard of dynamic
+# size does not have (None: every shard then weighs 1, a mean of shard
+# means). `CompileLoss.metrics` lists those trackers; `Trainer._compile_loss`
+# is the compiled loss.
+_COMPILE_LOSS = "_compile_loss"
+
+
+def output_loss_trackers(model):
+    """The per-output loss `Mean`s of `model`'s compiled loss (maybe [])."""
+    compile_loss = getattr(model, _COMPILE_LOSS, None)
+    if compile_loss is None:
+        return []
+    return list(getattr(compile_loss, "metrics", []) or [])
+
+
+def has_compiled_loss_or_metrics(model):
+    """Whether `model.compile` gave it a compiled loss or metrics."""
+    return getattr(model, _COMPILE_LOSS, None) is not None or getattr(
+        model, "_compile_metrics", None) is not None
+
+
+# A compiled loss (`CompileLoss`) computes each output's term in a loop over
+# `_flat_losses`, namedtuples `(path, loss, loss_weights, name)` made on its
+# first call, and logs each term with the `Mean` of the same index in
+# `metrics`. keras-mirror lends it a list whose losses also report their
+# value, to weight each output's term by its own reduction. A built-in loss
+# (`keras.src.losses.losses.LossFunctionWrapper`, which also wraps a loss
+# given by name) applies a Keras loss function to each sample, then reduces.
+_FLAT_LOSSES = "_flat_losses"
+_LOSS_WRAPPER = ("keras.src.losses.losses", "LossFunctionWrapper")
+
+
+def flat_losses(model):
+    """The compiled loss's `(path, loss, loss_weights, name)` list, or None."""
+    compile_loss = getattr(model, _COMPILE_LOSS, None)
+    return None if compile_loss is None else getattr(
+        compile_loss, _FLAT_LOSSES, None)
+
+
+@contextlib.contextmanager
+def reporting_flat_losses(model, report):
+    """Within the block, output `i`'s loss value `v` also calls `report(i, v)`.
+    """
+    entries = flat_losses(model)
+    if not entries:
+        yield
+        return
+    compile_loss = getattr(model, _COMPILE_LOSS)
+
+    def reporting(i, loss):
+        def call(*args, **kwargs):
+            value = loss(*args, **kwargs)
+            report(i, value)
+            return value
+        return call
+
+    setattr(compile_loss, _FLAT_LOSSES, [
+        e._replace(loss=reporting(i, e.loss)) for i, e in enumerate(entries)])
+    try:
+        yield
+    finally:
+        setattr(compile_loss, _FLAT_LOSSES, entries)
+
+
+def keras_per_sample_loss(loss):
+    """Whether `loss` is a built-in Keras loss of per-sample values."""
+    import importlib
+
+    module, name = _LOSS_WRAPPER
+    wrapper = getattr(importlib.import_module(module), name)
+    fn = getattr(loss, "fn", None)
+    return (isinstance(loss, wrapper) and type(loss).call is wrapper.call
+            and getattr(fn, "__module__", "").startswith("keras.")
+            and getattr(keras.losses, getattr(fn, "__name__", ""),
+                        None) is fn)
+
+
+# `Layer._flatten_layers()` walks a model's layers (itself first) in the order
+# `Layer.losses` collects their `add_loss` terms, which each layer keeps in
+# `_losses`. Used only to name the layer of an `add_loss` term in an error.
+_FLATTEN_LAYERS = "_flatten_layers"
+_OWN_LOSSES = "_losses"
+
+
+def loss_owners(model):
+    """`"layer 'name'"` for each `add_loss` term, in `model.losses` order."""
+    owners = []
+    for layer in getattr(model, _FLATTEN_LAYERS)(include_self=True):
+        own = getattr(layer, _OWN_LOSSES, None) or []
+        owners.extend([f"layer {layer.name!r}"] * len(own))
+    return owners
+
+
+# A TF-backend optimizer finds a variable's slots through
+# `_trainable_variables_indices`, keyed by `_var_key(variable)`: the unique id
+# of the TF variable behind it. When `_homes` switches a variable's backing,
+# the keys must follow, from the optimizer's own `_trainable_variables`.
+_OPT_INDICES = "_trainable_variables_indices"
+_OPT_VARIABLES = "_trainable_variables"
+
+
+def rekey_optimizer(optimizer):
+    """Re-indexes `optimizer` (and an inner one) by the current backings."""
+    for opt in (optimizer, getattr(optimizer, "inner_optimizer", None)):
+        if opt is None or not getattr(opt, "built", False):
+            continue
+        _require(opt, (_OPT_INDICES, _OPT_VARIABLES, "_var_key"),
+                 type(opt).__name__,
+                 "train the model's own optimizer on a strategy")
+        setattr(opt, _OPT_INDICES, {
+            opt._var_key(v): i
+            for i, v in enumerate(getattr(opt, _OPT_VARIABLES))})

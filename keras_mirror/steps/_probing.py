@@ -1,0 +1,92 @@
+"""The first train or test call classifies the loss terms on its own batch.
+
+`_reductions.probe` needs real rows: on a batch of zeros (all a `tf.data`
+element spec gives without reading) a sum and a mean are both 0, and a
+masked model gives NaN. Reading a batch ahead would make `fit` read more
+than plain Keras does (a counting `map`, a `.cache()`). So the wrapper's
+train and test functions take the first element of their first call's
+iterator, classify the loss terms on it, and run the step on that same
+element followed by the rest: each element is read once, by the step that
+trains on it.
+
+For a `tf.data` iterator (what Keras's TensorFlow trainer always passes to
+`fit` and `evaluate`), the first call's elements come from a one-off
+dataset of the same element spec, so that Keras's multi-step function is
+traced once, for both.
+"""
+
+import functools
+
+import keras
+import tensorflow as tf
+
+from keras_mirror.distribute import _worker_input
+from keras_mirror.steps import _reductions
+from keras_mirror.wrapper import _validate
+
+
+def needs_probe(mirrored):
+    """Whether the wrapper's loss terms are still to be classified."""
+    return (not mirrored._custom_step
+            and getattr(mirrored, "_reductions", None) is None
+            and getattr(mirrored._inner, "compiled", False))
+
+
+def classify(mirrored, element):
+    """Sets `mirrored._reductions` from one element of the input."""
+    if isinstance(element, dict) and set(element) == {_worker_input._MARK}:
+        element = element[_worker_input._MARK]  # this worker's rows
+    batch = keras.utils.unpack_x_y_sample_weight(element)
+    mirrored._reductions = _reductions.probe(mirrored._inner, batch)
+
+
+def _steps(mirrored):
+    return max(1, int(getattr(mirrored, "steps_per_execution", 1) or 1))
+
+
+def _replay(mirrored, first, iterator):
+    """An iterator of `first`, then the call's other elements of `iterator`.
+    """
+    rest = _steps(mirrored) - 1
+    if not isinstance(iterator, tf.data.Iterator):
+        def elements():
+            yield first
+            for _ in range(rest):
+                try:
+                    yield next(iterator)
+                except StopIteration:
+                    return
+
+        return elements()
+
+    def generate():
+        yield first
+        for _ in range(rest):
+            try:
+                yield next(iterator)
+            except (StopIteration, tf.errors.OutOfRangeError):
+                return
+
+    return iter(tf.data.Dataset.from_generator(
+        generate, output_signature=iterator.element_spec))
+
+
+def first_call(mirrored, function):
+    """Wraps a Keras train or test `function` (see the module docstring)."""
+    if function is None or getattr(function, "_probes_first_batch", False):
+        return function
+
+    @functools.wraps(function)
+    def call(iterator):
+        if not needs_probe(mirrored):
+            return function(iterator)
+        try:
+            first = next(iterator)
+        except (StopIteration, tf.errors.OutOfRangeError):
+            # Not read ahead by `fit`'s checks (`_validate._check_dataset`).
+            raise _validate.empty_dataset(iterator) from None
+        classify(mirrored, first)
+        return function(_replay(mirrored, first, iterator))
+
+    call._probes_first_batch = True
+    return call

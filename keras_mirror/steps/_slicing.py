@@ -1,0 +1,58 @@
+"""Rows `[start, start + size)` of one input leaf: dense, sparse or ragged.
+
+The steps cut each global batch into the replicas' shards by rows. A dense
+tensor is sliced and its row count hidden from static shape inference (a
+shard statically of 0 rows would make Keras skip the loss reduction); a
+`tf.sparse.SparseTensor` goes through `tf.sparse.slice`, keeping its
+static non-row dimensions; a `tf.RaggedTensor` slices by rows natively.
+"""
+
+import tensorflow as tf
+
+
+def rows(t, start, size):
+    """`t`'s rows `start ... start + size - 1` (tensors or ints)."""
+    if isinstance(t, tf.SparseTensor):
+        return _sparse_rows(t, start, size)
+    if isinstance(t, tf.RaggedTensor):
+        return t[start:start + size]
+    shard = t[start:start + size]
+    shape = [None] + shard.shape.as_list()[1:]
+    return tf.compat.v1.placeholder_with_default(shard, shape=shape)
+
+
+def _sparse_rows(t, start, size):
+    rank = tf.shape(t.dense_shape)[0]
+    begin = tf.concat([tf.reshape(tf.cast(start, tf.int64), [1]),
+                       tf.zeros([rank - 1], tf.int64)], axis=0)
+    extent = tf.concat([tf.reshape(tf.cast(size, tf.int64), [1]),
+                        t.dense_shape[1:]], axis=0)
+    shard = tf.sparse.slice(t, begin, extent)
+    if t.shape.rank is not None:
+        shard.set_shape([None] + t.shape.as_list()[1:])
+    return shard
+
+
+def between(t, start, stop=None):
+    """Rows `start ... stop - 1` of an eager leaf (NumPy arrays too)."""
+    if isinstance(t, tf.SparseTensor):
+        stop = int(t.dense_shape[0]) if stop is None else stop
+        return _sparse_rows(t, start, stop - start)
+    return t[start:stop]
+
+
+def head(t, size):
+    """The first `size` rows of an eager leaf (NumPy arrays too), as a
+    batch to build a model from."""
+    if isinstance(t, tf.SparseTensor):
+        return _sparse_rows(t, 0, size)
+    return t[:size]
+
+
+def twice(t):
+    """`t`'s rows, then the same rows again (dense, sparse or ragged)."""
+    if isinstance(t, tf.SparseTensor):
+        return tf.sparse.concat(0, [t, t])
+    if isinstance(t, tf.RaggedTensor):
+        return tf.concat([t, t], axis=0)
+    return tf.concat([tf.convert_to_tensor(t)] * 2, axis=0)
