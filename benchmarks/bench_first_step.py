@@ -25,7 +25,23 @@ _HERE = os.path.dirname(os.path.abspath(__file__))
 _ROOT = os.path.dirname(_HERE)
 
 
-def _trial(replicas):
+def _mlp(keras, jit):
+    """The 64-256-256-10 MLP on Keras's own step, batch 256."""
+    import numpy as np
+
+    model = keras.Sequential([
+        keras.Input((64,)), keras.layers.Dense(256, activation="relu"),
+        keras.layers.Dense(256, activation="relu"), keras.layers.Dense(10)])
+    compile_kwargs = dict(optimizer="adam", jit_compile=jit,
+                          loss=keras.losses.SparseCategoricalCrossentropy(
+                              from_logits=True))
+    rng = np.random.default_rng(0)
+    x = rng.standard_normal((1024, 64)).astype("float32")
+    y = rng.integers(0, 10, 1024).astype("int32")
+    return model, compile_kwargs, (x, y), 256
+
+
+def _trial(replicas, name="wgan_gp", jit=False):
     os.environ.setdefault("TF_CPP_MIN_LOG_LEVEL", "3")
     sys.path.insert(0, os.path.join(_ROOT, "tests"))
     import keras_mirror
@@ -35,22 +51,29 @@ def _trial(replicas):
     import keras
 
     keras.utils.set_random_seed(0)
-    model, compile_kwargs, (x, _) = guide_models.wgan_gp()
+    if name == "mlp":
+        model, compile_kwargs, (x, y), batch = _mlp(keras, jit)
+    else:
+        model, compile_kwargs, (x, _) = guide_models.wgan_gp()
+        y, batch = None, 14
     model.compile(**compile_kwargs)
     target = model if replicas == 0 else keras_mirror.MirroredModel(
         model, devices=devices[:replicas])
     start = time.perf_counter()
-    target.fit(x, batch_size=14, epochs=1, steps_per_epoch=1, verbose=0)
+    target.fit(x, y, batch_size=batch, epochs=1, steps_per_epoch=1,
+               verbose=0)
     first = time.perf_counter() - start
     start = time.perf_counter()
-    target.fit(x, batch_size=14, epochs=1, steps_per_epoch=3, verbose=0)
+    target.fit(x, y, batch_size=batch, epochs=1, steps_per_epoch=3,
+               verbose=0)
     steps = (time.perf_counter() - start) / 3
     print(json.dumps({"first_step_s": first, "later_step_s": steps}))
 
 
-def _run(replicas):
+def _run(replicas, name, jit):
     out = subprocess.run(
-        [sys.executable, __file__, "--trial", str(replicas)],
+        [sys.executable, __file__, "--trial", str(replicas), "--model", name]
+        + (["--jit"] if jit else []),
         capture_output=True, text=True, timeout=900)
     if out.returncode != 0:
         raise RuntimeError(out.stderr[-2000:])
@@ -61,17 +84,24 @@ def main(argv=None):
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--trials", type=int, default=3)
     parser.add_argument("--replicas", type=int, nargs="+", default=[1, 2, 4])
+    parser.add_argument("--model", default="wgan_gp",
+                        choices=["wgan_gp", "mlp"])
+    parser.add_argument("--jit", action="store_true",
+                        help="compile the model with jit_compile=True")
     parser.add_argument("--trial", type=int, help=argparse.SUPPRESS)
     args = parser.parse_args(argv)
     if args.trial is not None:
-        _trial(args.trial)
+        _trial(args.trial, args.model, args.jit)
         return 0
     configs = [0] + args.replicas  # 0: the model's own fit, one device
     results = {c: [] for c in configs}
     for _ in range(args.trials):
         for c in configs:
-            results[c].append(_run(c)["first_step_s"])
+            results[c].append(_run(c, args.model, args.jit)["first_step_s"])
     single = statistics.median(results[0])
+    print(f"model={args.model} jit_compile={args.jit}, load average "
+          f"{' '.join(f'{v:.2f}' for v in os.getloadavg())}, medians of "
+          f"{args.trials} interleaved fresh-process trials")
     print(f"{'configuration':<28}{'first step (s)':>16}{'/ one device':>14}")
     print(f"{'one device (model.fit)':<28}{single:>16.2f}{1.0:>14.2f}")
     for c in args.replicas:

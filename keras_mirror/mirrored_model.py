@@ -180,10 +180,11 @@ class MirroredModel(ReplicaAttributes, _user_model.UserModelState,
         _rebuild.check_weights_exist(original)
         _rebuild.check_not_stateful(original, len(resolved), spec)
         _rebuild.check_no_foreign_variables(original)
+        synchronized = tuple(_rebuild.synchronized_layers(original))
         execution, reason = _execution.pick(
             execution, resolved, spec, own_step.has_custom_step(original),
             _execution.collective_options(bytes_per_pack, communication),
-            _rebuild.synchronized_layers(original))
+            synchronized)
         _execution.warn_unused_timeout(execution, timeout_seconds)
         if spec is None and execution == "strategy":
             strategy = devices_lib.mirrored_strategy(resolved, communication)
@@ -197,6 +198,7 @@ class MirroredModel(ReplicaAttributes, _user_model.UserModelState,
         self._devices = tuple(resolved)
         self._execution = execution
         self._execution_reason = reason
+        object.__setattr__(self, "_synchronized", synchronized)
         self._multi_worker = spec is not None
         self._cluster = spec
         self._worker_input = worker_input
@@ -235,9 +237,10 @@ class MirroredModel(ReplicaAttributes, _user_model.UserModelState,
         loss_fn=...)`): its loss functions, metrics and optimizers are used
         as given, never rebuilt from a config, so unregistered custom
         objects work and an explicit `LossScaleOptimizer` is wrapped once.
-        With `jit_compile=True` the replica steps still run without XLA,
-        with a `UserWarning`. Compiling the model before wrapping it does
-        the same.
+        `jit_compile` is the model's: with it on, each replica's forward
+        pass, loss and gradients run as one XLA function (the all-reduce
+        and the optimizer update stay outside it; see `steps/_xla.py`).
+        Compiling the model before wrapping it does the same.
         """
         _compile.compile(self, *args, **kwargs)
 

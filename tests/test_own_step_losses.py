@@ -5,7 +5,6 @@
   it): a batch sum, weighted exactly as one (`steps/_tape.py`).
 - It fits a dataset of images only, its own `train_step` making the
   targets: no "must yield (inputs, targets)" refusal.
-- A model compiled with `jit_compile=True` runs without XLA, with a warning.
 
 Models with their own `train_step` run on the `"strategy"` path.
 """
@@ -137,27 +136,3 @@ def test_a_gradient_with_respect_to_inputs_is_left_per_row(cpus):
     keras_mirror.MirroredModel(wrapped, devices=cpus).fit(
         x, y, batch_size=10, epochs=2, verbose=0, shuffle=False)
     assert max_diff(single.get_weights(), wrapped.get_weights()) < 1e-5
-
-
-def _jit_model():
-    model = keras.Sequential([keras.Input((3,)), keras.layers.Dense(1)])
-    model.compile(optimizer="sgd", loss="mse", jit_compile=True)
-    return model
-
-
-XLA_WARNING = (r"compiled with `jit_compile=True`, but keras-mirror runs its "
-               r"replica steps without XLA.*Received: jit_compile=True")
-
-
-def test_a_model_compiled_with_xla_warns_at_wrap_time(cpus):
-    with pytest.warns(UserWarning, match=XLA_WARNING):
-        mirrored = keras_mirror.MirroredModel(_jit_model(), devices=cpus)
-    x = np.ones((8, 3), "float32")
-    mirrored.fit(x, x[:, :1], batch_size=8, verbose=0)  # trains, without XLA
-
-
-def test_compiling_the_wrapper_with_xla_warns(cpus):
-    model = keras.Sequential([keras.Input((3,)), keras.layers.Dense(1)])
-    mirrored = keras_mirror.MirroredModel(model, devices=cpus)
-    with pytest.warns(UserWarning, match=XLA_WARNING):
-        mirrored.compile(optimizer="sgd", loss="mse", jit_compile=True)

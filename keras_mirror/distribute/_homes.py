@@ -6,8 +6,10 @@ model's, seed generators' included, and every optimizer's) gets a second,
 distributed backing variable made inside the strategy's scope, with the value
 kept (`_compat.new_backing`). `VariableHomes.mirrored()` switches every
 variable to its distributed backing for the duration of a wrapper call
-(`fit`, `evaluate`, ...), copying the current values in, and back to its
-single-device backing afterwards, copying the trained values out. So:
+(`fit`, `evaluate`, ...), copying the current values in and releasing the
+single-device backing (so that weights and optimizer state are not kept
+twice on the first device), and back to a new single-device backing
+afterwards, made from the trained values. So:
 
 - `mirrored.model is model`, and it holds the live weights during and after
   training (a callback reading `model.get_weights()` sees the step's);
@@ -90,7 +92,23 @@ class VariableHomes:
             else:
                 entry[2].assign(current.read_value())
             _compat.set_backing(v, entry[2])
+            # No second copy of the weights on the first device while the
+            # mirrored copy trains: the idle backing is released, and made
+            # again from the trained value on the way out.
+            entry[1] = None
+        self._forget_traced_functions()
         self._rekey()
+
+    def _forget_traced_functions(self):
+        """Drops the user's model's traced functions, which hold backings.
+
+        Keras's `train_function` (and test, predict) captured the released
+        single-device variables; the model's own next `fit` traces again, on
+        the backings `_exit` makes.
+        """
+        for name in ("train_function", "test_function", "predict_function"):
+            if getattr(self._model, name, None) is not None:
+                setattr(self._model, name, None)
 
     def _rekey(self):
         for optimizer in optimizers_of(self._model):

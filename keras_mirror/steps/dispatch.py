@@ -10,6 +10,7 @@ path (`strategy.ReplicaSteps`, the base class). The paths share
 from keras_mirror.callbacks import _replica_logs
 from keras_mirror.distribute import _worker_input
 from keras_mirror.steps import _probing
+from keras_mirror.steps import _xla
 from keras_mirror.steps import in_graph
 from keras_mirror.steps import own_step
 from keras_mirror.steps import strategy
@@ -40,6 +41,7 @@ class StepDispatch(strategy.ReplicaSteps):
     def train_step(self, data):
         data = _worker_input.assemble(self, data)
         if self._custom_step:
+            _xla.enabled(self)  # warns once: the user's step runs as is
             return own_step.train_step(self, data)
         if self._execution == "in_graph":
             return in_graph.train_step(self, data)

@@ -43,6 +43,7 @@ from keras_mirror.steps import _reductions
 from keras_mirror.steps import _scope
 from keras_mirror.steps import _sparse
 from keras_mirror.steps import _stand_in
+from keras_mirror.steps import _xla
 from keras_mirror.steps import arithmetic
 
 _NO_REDUCE = (
@@ -198,24 +199,21 @@ def _forward(mirrored, packed, present, rows, training, guard=None):
     return shards
 
 
-def train_step(mirrored, data):
-    x, y, sw = keras.utils.unpack_x_y_sample_weight(data)
-    rows = arithmetic.batch_rows(x)
-    packed, present = mirrored._pack(x, y, sw)
-    inner = mirrored._inner
-    optimizer = inner.optimizer
-    variables = inner.trainable_weights
-    guard = arithmetic.StateGuard(inner, len(mirrored.devices))
-    keys = mirrored._stat_keys()
-    start, packed = arithmetic.step_start(packed, keys)
+def _replicas_eager(mirrored, packed, present, rows, keys, start):
+    """Each replica's (gradients, contribution, stats, predictions, mask).
+
+    Forward passes first: a masked output's shares need every shard's
+    count of unmasked entries. Each replica's tape is entered again to
+    record its share of the loss.
+    """
+    optimizer = mirrored._inner.optimizer
+    variables = mirrored._inner.trainable_weights
     n = len(mirrored.devices)
-    # Forward passes first: a masked output's shares need every shard's
-    # count of unmasked entries. Each replica's tape is entered again to
-    # record its share of the loss.
+    guard = arithmetic.StateGuard(mirrored._inner, n)
     shards = _forward(mirrored, packed, present, rows, True, guard)
     counts, total = _shares([s.mask for s in shards],
                             [s.rows for s in shards], rows)
-    grads, contributions, stats = [], [], []
+    out = []
     for r, shard in enumerate(shards):
         with tf.device(shard.device):
             with shard.tape:
@@ -229,11 +227,96 @@ def train_step(mirrored, data):
             g = shard.tape.gradient(scaled, variables)
             if r > 0:  # replica 0 holds a row of every non-empty batch
                 g = arithmetic.zero_if_empty(g, shard.rows)
-            stats.append(arithmetic.compute_stats(keys, start, g, shard.loss,
-                                              shard.rows, shard.sw))
-        grads.append(g)
-        contributions.append(contribution)
+            stats = arithmetic.compute_stats(keys, start, g, shard.loss,
+                                             shard.rows, shard.sw)
+        out.append((g, contribution, stats, shard.y_pred, shard.mask))
     guard.finish()
+    return out
+
+
+def _xla_work(mirrored, rows):
+    """Every replica's forward pass, loss and gradients: one XLA function.
+
+    Traced once and called on each replica's device with its shard and its
+    place in the batch (tensors: the replica id too). The shares are rows;
+    a masked output, whose shares need every replica's count, raises
+    `_xla.Unsupported` while tracing.
+    """
+    inner = mirrored._inner
+    n = len(mirrored.devices)
+
+    def body(xr, yr, swr, r, shard_rows, offset, scale):
+        with activate(ReplicaContext(
+                r, n, shard_rows, rows, distributed=True,
+                reduce_error=_NO_REDUCE, offset=offset)):
+            y_pred = inner(xr, training=True)
+            if n > 1:
+                _xla.check_no_mask(arithmetic.output_mask(y_pred))
+            loss = _loss(mirrored, xr, yr, y_pred, swr, True)
+            contribution = loss if n == 1 else _contribution(
+                mirrored, loss, list(inner.losses), shard_rows, rows,
+                tf.equal(r, 0), shard_rows)
+        return (y_pred, loss, contribution), contribution * scale
+
+    return _xla.remember(mirrored, _xla.replica_function(inner, body))
+
+
+def _replicas_xla(mirrored, packed, present, rows, keys, start):
+    """`_replicas_eager`'s results, each replica's work one XLA call.
+
+    Every replica starts from the same non-trainable state and replica 0's
+    writes are kept (the `StateGuard` semantics, without its copies).
+    """
+    inner = mirrored._inner
+    trainable = _xla.values(inner.trainable_variables)
+    non_trainable = _xla.values(inner.non_trainable_variables)
+    scale = tf.cast(inner.optimizer.scale_loss(tf.ones((), tf.float32)),
+                    tf.float32)
+    work = _xla_work(mirrored, rows)
+    out = []
+    with _scope.replica_scope(mirrored):
+        for r, (device, (shard, offset, shard_rows)) in enumerate(
+                zip(mirrored.devices, _shards(mirrored, packed, rows))):
+            xr, yr, swr = mirrored._unpack(shard, present)
+            with tf.device(device):
+                (y_pred, loss, contribution), g, updates = work(
+                    trainable, non_trainable, xr, yr, swr,
+                    tf.constant(r, tf.int32), tf.cast(shard_rows, tf.int32),
+                    tf.cast(offset, tf.int32), scale)
+                if len(mirrored.devices) > 1:
+                    y_pred, swr = _stand_in.real_rows((y_pred, swr),
+                                                      shard_rows)
+                if r > 0:
+                    g = arithmetic.zero_if_empty(g, shard_rows)
+                else:
+                    kept = updates
+                stats = arithmetic.compute_stats(keys, start, g, loss,
+                                                 shard_rows, swr)
+            out.append((g, contribution, stats, y_pred, None))
+    _xla.assign(inner.non_trainable_variables, kept)
+    return out
+
+
+def _replicas(mirrored, *args):
+    if _xla.enabled(mirrored):
+        try:
+            return _replicas_xla(mirrored, *args)
+        except _xla.Unsupported as e:
+            _xla.turn_off(mirrored, str(e))
+    return _replicas_eager(mirrored, *args)
+
+
+def train_step(mirrored, data):
+    x, y, sw = keras.utils.unpack_x_y_sample_weight(data)
+    rows = arithmetic.batch_rows(x)
+    packed, present = mirrored._pack(x, y, sw)
+    inner = mirrored._inner
+    optimizer = inner.optimizer
+    variables = inner.trainable_weights
+    keys = mirrored._stat_keys()
+    start, packed = arithmetic.step_start(packed, keys)
+    grads, contributions, stats, preds, masks = zip(*_replicas(
+        mirrored, packed, present, rows, keys, start))
     home = mirrored.devices[0]
     with tf.device(home):
         packed_stats = arithmetic.pack_stats(stats, keys) if keys else None
@@ -251,8 +334,7 @@ def train_step(mirrored, data):
             nonfinite = tf.add_n([s["replica_nonfinite"] for s in stats])
             tf.cond(tf.equal(nonfinite, 0),
                     apply, lambda: tf.constant(False))
-        y_pred = _concat([s.y_pred for s in shards],
-                         [s.mask for s in shards])
+        y_pred = _concat(list(preds), list(masks))
         logs = mirrored._track(x, y, y_pred, sw, loss, rows)
         if packed_stats is not None:
             logs[_replica_logs.PACKED] = packed_stats

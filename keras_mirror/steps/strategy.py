@@ -21,6 +21,7 @@ from keras_mirror.replica_context import active
 from keras_mirror.steps import _reductions
 from keras_mirror.steps import _scope
 from keras_mirror.steps import _stand_in
+from keras_mirror.steps import _xla
 from keras_mirror.steps import arithmetic
 
 
@@ -158,19 +159,60 @@ class ReplicaSteps:
 
     # -- train -------------------------------------------------------------
 
-    def _replica_train(self, packed, present, global_rows, start, sizes):
+    def _xla_work(self, global_rows):
+        """A replica's forward pass, loss and gradients: one XLA function.
+
+        Called in each replica's context with that replica's copies of the
+        variables' values; a masked output (its shares need an all-reduce)
+        raises `_xla.Unsupported` while tracing.
+        """
+        def body(x, y, sw, sizes, scale):
+            with self._context(global_rows, sizes):
+                y_pred = self._inner(x, training=True)
+                _xla.check_no_mask(arithmetic.output_mask(y_pred))
+                contribution, shard = self._replica_loss(
+                    x, y, y_pred, sw, True, global_rows)
+            return (y_pred, contribution, shard), contribution * scale
+
+        return _xla.remember(self, _xla.replica_function(self._inner, body))
+
+    def _replica_xla(self, work, x, y, sw, global_rows, sizes):
+        inner = self._inner
+        scale = tf.cast(inner.optimizer.scale_loss(tf.ones((), tf.float32)),
+                        tf.float32)
+        (y_pred, contribution, shard), grads, updates = work(
+            _xla.values(inner.trainable_variables),
+            _xla.values(inner.non_trainable_variables), x, y, sw, sizes,
+            scale)
+        _xla.assign(inner.non_trainable_variables, updates)
+        return y_pred, contribution, shard, None, grads
+
+    @staticmethod
+    def _real_rows_of(sizes):
+        r = tf.distribute.get_replica_context().replica_id_in_sync_group
+        return tf.cast(tf.gather(sizes, r), tf.int32)
+
+    def _replica_train(self, packed, present, global_rows, start, sizes,
+                       xla=None):
         x, y, sw = self._unpack(packed, present)
         keys = self._stat_keys()
         variables = self._inner.trainable_weights
         optimizer = self._inner.optimizer
-        with tf.GradientTape() as tape, self._context(global_rows, sizes):
-            rows = self._real_rows()
-            y_pred = self._inner(x, training=True)
-            mask = arithmetic.output_mask(y_pred)
-            contribution, shard = self._replica_loss(
-                x, y, y_pred, sw, True, global_rows, mask)
-            scaled = optimizer.scale_loss(contribution)
-        grads = arithmetic.zero_if_empty(tape.gradient(scaled, variables), rows)
+        if xla is not None:
+            y_pred, contribution, shard, mask, grads = self._replica_xla(
+                xla, x, y, sw, global_rows, sizes)
+            rows = self._real_rows_of(sizes)
+        else:
+            with tf.GradientTape() as tape, self._context(global_rows,
+                                                          sizes):
+                rows = self._real_rows()
+                y_pred = self._inner(x, training=True)
+                mask = arithmetic.output_mask(y_pred)
+                contribution, shard = self._replica_loss(
+                    x, y, y_pred, sw, True, global_rows, mask)
+                scaled = optimizer.scale_loss(contribution)
+            grads = tape.gradient(scaled, variables)
+        grads = arithmetic.zero_if_empty(grads, rows)
         sw = _stand_in.real_rows(sw, rows)
         stats = arithmetic.compute_stats(keys, start, grads, shard, rows, sw)
         reduced = allreduce.all_reduce_sum(
@@ -217,16 +259,30 @@ class ReplicaSteps:
         start, packed = arithmetic.step_start(packed, self._stat_keys())
         sizes = self._plan_sizes(rows)
         shards = self._distribute(packed, sizes)
-        with _scope.replica_scope(self):
-            y_pred, loss, stats = self._strategy.run(
-                self._replica_train,
-                args=(shards, present, rows, start, sizes))
+        y_pred, loss, stats = self._run_train(shards, present, rows, start,
+                                              sizes)
         self._sync_state()
         y_pred = self._gather_predictions(y_pred)
         logs = self._track(x, y, y_pred, sw, self._first(loss), rows)
         if stats is not None:
             logs[_replica_logs.PACKED] = self._gather(stats)
         return logs
+
+    def _run_train(self, shards, present, rows, start, sizes):
+        """`strategy.run` of the replica step, XLA-compiled where it can be.
+        """
+        with _scope.replica_scope(self):
+            if _xla.enabled(self):
+                try:
+                    return self._strategy.run(
+                        self._replica_train,
+                        args=(shards, present, rows, start, sizes,
+                              self._xla_work(rows)))
+                except _xla.Unsupported as e:
+                    _xla.turn_off(self, str(e))
+            return self._strategy.run(
+                self._replica_train,
+                args=(shards, present, rows, start, sizes))
 
     def _sync_state(self):
         """Copies replica 0's non-trainable state to the other replicas.

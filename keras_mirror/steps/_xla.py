@@ -1,0 +1,130 @@
+"""XLA per replica: the replica's forward pass, loss and gradients compiled.
+
+`jit_compile` follows the user's compile of the wrapped model
+(`model.compile(jit_compile=...)` or `mirrored.compile(...)`, which calls
+it): Keras resolves `"auto"` there with its own single-device rule (True on
+a machine with a GPU when every layer supports XLA, False on CPU-only
+machines), and the public `model.jit_compile` holds the result. The wrapper's
+own train function stays uncompiled: it holds the gradient all-reduce and
+the optimizer update, which XLA cannot compile (collectives, and the
+optimizer's `merge_call` on the `"strategy"` path). Inside it, each replica
+calls one `tf.function(jit_compile=True)` holding that replica's forward
+pass, loss, loss scaling and gradients, on both execution paths.
+
+Where it cannot run, the step runs uncompiled and says so once
+(`warn_once`): a masked output (its shares need every replica's count of
+unmasked entries, an all-reduce), synchronized BatchNormalization (an
+all-reduce inside the forward pass), and a model's own `train_step` (its
+optimizer's `apply` all-reduces inside the user's step).
+"""
+
+import warnings
+
+import keras
+import tensorflow as tf
+
+MASKED = ("the model's output carries a Keras mask, whose loss shares need "
+          "every replica's count of unmasked entries (an all-reduce)")
+SYNCHRONIZED = ("the model has synchronized BatchNormalization, which "
+                "all-reduces its statistics inside the forward pass")
+OWN_STEP = (
+    "the model has its own `train_step`, whose optimizer `apply` "
+    "all-reduces the gradients inside the step. Compile the parts of your "
+    "step that hold no optimizer call yourself (e.g. the forward pass and "
+    "`tape.gradient` in a `tf.function(jit_compile=True)`); they then run "
+    "compiled on every replica")
+
+
+class Unsupported(Exception):
+    """Raised while tracing a replica function that XLA cannot compile."""
+
+
+def enabled(mirrored):
+    """True when the wrapped model was compiled with `jit_compile` on.
+
+    Reason-less paths (masked output, synchronized BatchNorm, own step)
+    warn once and return False.
+    """
+    inner = mirrored._inner
+    if not getattr(inner, "compiled", False) or getattr(
+            inner, "run_eagerly", False) or not inner.jit_compile:
+        return False
+    off = mirrored.__dict__.get("_xla_off")
+    if off is not None:
+        warn_once(mirrored, off)
+        return False
+    if mirrored._custom_step:
+        warn_once(mirrored, OWN_STEP)
+        return False
+    if mirrored._execution == "strategy" and mirrored.__dict__.get(
+            "_synchronized"):
+        warn_once(mirrored, SYNCHRONIZED)
+        return False
+    return True
+
+
+def turn_off(mirrored, reason):
+    """Runs this wrapper's steps uncompiled from now on, saying why once."""
+    mirrored.__dict__["_xla_off"] = reason
+    warn_once(mirrored, reason)
+
+
+def warn_once(mirrored, reason):
+    warned = mirrored.__dict__.setdefault("_xla_warned", set())
+    if reason in warned:
+        return
+    warned.add(reason)
+    warnings.warn(
+        "The wrapped model was compiled with `jit_compile=True`, but "
+        f"keras-mirror runs its replica step without XLA because {reason}. "
+        "Received: jit_compile=True", UserWarning, stacklevel=4)
+
+
+def replica_function(model, body):
+    """One XLA function of a replica's work, for every replica.
+
+    `body(*args)` runs the forward pass and returns `(outputs, loss to
+    differentiate)`. The compiled function takes the model's variable
+    values, not its variables (XLA cannot read a variable placed on another
+    device, and a function that captures no variable serves every replica
+    from one trace): `f(trainable, non_trainable, *args)` returns
+    `(outputs, gradients, non-trainable values after the pass)`, computed
+    in a `keras.StatelessScope` as Keras's own `stateless_call` does.
+    """
+    trainable = list(model.trainable_variables)
+    non_trainable = list(model.non_trainable_variables)
+
+    def work(t_values, nt_values, *args):
+        mapping = list(zip(trainable, t_values)) + list(
+            zip(non_trainable, nt_values))
+        with tf.GradientTape() as tape:
+            tape.watch(t_values)
+            with keras.StatelessScope(state_mapping=mapping,
+                                      collect_losses=True) as scope:
+                outputs, loss = body(*args)
+                updates = [scope.get_current_value(v) for v in non_trainable]
+        grads = tape.gradient(loss, t_values)
+        return outputs, grads, updates
+
+    return tf.function(work, jit_compile=True, autograph=False)
+
+
+def remember(mirrored, function):
+    """Keeps the last traced replica function (its trace count is tested)."""
+    mirrored.__dict__["_xla_last"] = function
+    return function
+
+
+def values(variables):
+    """The variables' current values, read once, outside XLA."""
+    return [tf.identity(v.value) for v in variables]
+
+
+def assign(variables, new_values):
+    for v, value in zip(variables, new_values):
+        v.assign(value)
+
+
+def check_no_mask(mask):
+    if mask is not None:
+        raise Unsupported(MASKED)
