@@ -6,7 +6,6 @@ import keras
 import tensorflow as tf
 
 from keras_mirror import _compat
-from keras_mirror import allreduce
 from keras_mirror import verify as verify_lib
 from keras_mirror.callbacks import replica_history
 from keras_mirror.callbacks import step_backup
@@ -18,6 +17,7 @@ from keras_mirror.steps import _capacity
 from keras_mirror.steps import _execution
 from keras_mirror.steps import dispatch
 from keras_mirror.steps import own_step
+from keras_mirror.wrapper import _arguments
 from keras_mirror.wrapper import _compile
 from keras_mirror.wrapper import _files
 from keras_mirror.wrapper import _inputs
@@ -26,9 +26,6 @@ from keras_mirror.wrapper import _rebuild
 from keras_mirror.wrapper import _user_model
 from keras_mirror.wrapper import _validate
 from keras_mirror.wrapper._replica_attributes import ReplicaAttributes
-
-BATCH_MODES = ("global", "per_replica")
-NONFINITE_MODES = ("warn", "skip_step", "raise")
 
 
 class MirroredModel(ReplicaAttributes, _user_model.UserModelState,
@@ -147,25 +144,9 @@ class MirroredModel(ReplicaAttributes, _user_model.UserModelState,
         _compat.check_backend()
         _rebuild.check_no_outer_scope(model)
         _rebuild.check_model(model)
-        if batch not in BATCH_MODES:
-            raise ValueError(
-                f"`batch` must be one of {BATCH_MODES}. Received: "
-                f"batch={batch!r}")
-        if on_nonfinite not in NONFINITE_MODES:
-            raise ValueError(
-                f"`on_nonfinite` must be one of {NONFINITE_MODES}. "
-                f"Received: on_nonfinite={on_nonfinite!r}")
-        if not isinstance(replica_stats, bool):
-            raise ValueError(
-                "`replica_stats` must be True or False. "
-                f"Received: replica_stats={replica_stats!r}")
-        _validate.check_choice("communication", communication,
-                               ("auto", "ring", "nccl"))
-        comm = allreduce.communication_options(
-            communication, bytes_per_pack, timeout_seconds)
-        allreduce.check_gradient_dtype(gradient_dtype)
-        _validate.check_choice("execution", execution,
-                               _execution.EXECUTIONS)
+        comm = _arguments.check_construction(
+            batch, on_nonfinite, replica_stats, communication, bytes_per_pack,
+            timeout_seconds, gradient_dtype, execution)
         _rebuild.check_not_wrapped(model)
         resolved = devices_lib.resolve_devices(devices)
         spec = _multi_worker.cluster_spec(cluster)
@@ -177,9 +158,7 @@ class MirroredModel(ReplicaAttributes, _user_model.UserModelState,
             _execution.check(execution, "a multi-worker cluster")
             strategy = devices_lib.multi_worker_strategy(spec, resolved, comm)
         original = _rebuild.build_original(model)
-        _rebuild.check_weights_exist(original)
-        _rebuild.check_not_stateful(original, len(resolved), spec)
-        _rebuild.check_no_foreign_variables(original)
+        _rebuild.check_original(original, len(resolved), spec)
         synchronized = tuple(_rebuild.synchronized_layers(original))
         execution, reason = _execution.pick(
             execution, resolved, spec, own_step.has_custom_step(original),
@@ -367,12 +346,9 @@ class MirroredModel(ReplicaAttributes, _user_model.UserModelState,
         keras-mirror) returns a compiled model whose next `fit` step equals
         the wrapper's.
         """
-        filepath = str(filepath)
-        if not filepath.endswith(".keras"):
-            raise ValueError(
-                "`filepath` must end in `.keras` (the only full-model "
-                "format keras-mirror writes). "
-                f"Received: filepath={filepath!r}")
+        filepath = _files.check_suffix(
+            filepath, ".keras", " (the only full-model format keras-mirror "
+            "writes)")
         if not self.is_chief:
             return  # Only the chief writes; saving has no collective.
         _files.write_atomically(self._inner.save, filepath, overwrite,
@@ -384,11 +360,7 @@ class MirroredModel(ReplicaAttributes, _user_model.UserModelState,
         As Keras's `save_weights`, the file holds the optimizer's state too
         (what Keras's `BackupAndRestore` relies on).
         """
-        filepath = str(filepath)
-        if not filepath.endswith(".weights.h5"):
-            raise ValueError(
-                "`filepath` must end in `.weights.h5`. "
-                f"Received: filepath={filepath!r}")
+        filepath = _files.check_suffix(filepath, ".weights.h5")
         if not self.is_chief:
             return  # Only the chief writes; saving has no collective.
         _files.write_atomically(self._inner.save_weights, filepath,
@@ -398,12 +370,9 @@ class MirroredModel(ReplicaAttributes, _user_model.UserModelState,
         """Loads `.weights.h5` weights into the wrapped model (all replicas):
         every shape is checked first, and nothing changes unless all fit.
         """
-        filepath = str(filepath)
-        if not filepath.endswith(".weights.h5"):
-            raise ValueError(
-                "`filepath` must end in `.weights.h5`; full models load with "
-                "`keras.saving.load_model(..., safe_mode=True)`. "
-                f"Received: filepath={filepath!r}")
+        filepath = _files.check_suffix(
+            filepath, ".weights.h5", "; full models load with "
+            "`keras.saving.load_model(..., safe_mode=True)`")
         _files.load_weights(self._inner, filepath, skip_mismatch, **kwargs)
 
     def export(self, filepath, format="tf_saved_model", **kwargs):

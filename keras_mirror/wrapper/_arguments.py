@@ -10,6 +10,12 @@ the argument in backticks, what was expected, `Received: name=value`.
 import keras
 import numpy as np
 
+from keras_mirror import allreduce
+from keras_mirror.steps import _execution
+
+BATCH_MODES = ("global", "per_replica")
+NONFINITE_MODES = ("warn", "skip_step", "raise")
+
 
 def _is_int(value):
     return isinstance(value, (int, np.integer)) and \
@@ -96,3 +102,31 @@ def check_steps_per_execution(kwargs):
         raise ValueError(
             "`steps_per_execution` must be a positive integer. "
             f"Received: steps_per_execution={value!r}")
+
+
+def check_choice(name, value, choices):
+    """Raises ValueError unless `value` is one of `choices`."""
+    if value not in choices:
+        raise ValueError(
+            f"`{name}` must be one of {tuple(choices)}. "
+            f"Received: {name}={value!r}"
+        )
+
+
+def check_construction(batch, on_nonfinite, replica_stats, communication,
+                       bytes_per_pack, timeout_seconds, gradient_dtype,
+                       execution):
+    """`MirroredModel`'s scalar arguments; returns the collective options.
+    """
+    check_choice("batch", batch, BATCH_MODES)
+    check_choice("on_nonfinite", on_nonfinite, NONFINITE_MODES)
+    if not isinstance(replica_stats, bool):
+        raise ValueError(
+            "`replica_stats` must be True or False. "
+            f"Received: replica_stats={replica_stats!r}")
+    check_choice("communication", communication, ("auto", "ring", "nccl"))
+    comm = allreduce.communication_options(
+        communication, bytes_per_pack, timeout_seconds)
+    allreduce.check_gradient_dtype(gradient_dtype)
+    check_choice("execution", execution, _execution.EXECUTIONS)
+    return comm

@@ -16,6 +16,16 @@ from keras_mirror import errors
 from keras_mirror.distribute import _homes
 
 
+def check_suffix(filepath, suffix, why=""):
+    """`filepath` as a str; refused unless it ends in `suffix`."""
+    filepath = str(filepath)
+    if not filepath.endswith(suffix):
+        raise ValueError(
+            f"`filepath` must end in `{suffix}`{why}. "
+            f"Received: filepath={filepath!r}")
+    return filepath
+
+
 def write_atomically(save, filepath, overwrite=True, **kwargs):
     """Runs `save(temporary, overwrite=True, **kwargs)`, then renames.
 

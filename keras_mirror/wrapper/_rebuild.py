@@ -51,6 +51,13 @@ def build_original(model):
     return built
 
 
+def check_original(model, local_replicas, cluster=None):
+    """The checks on the user's model object, once it is in hand."""
+    check_weights_exist(model)
+    check_not_stateful(model, local_replicas, cluster)
+    check_no_foreign_variables(model)
+
+
 def check_weights_exist(model):
     """Refuses a model marked built whose layers never created weights.
 

@@ -18,14 +18,7 @@ from keras_mirror.wrapper import _arguments
 from keras_mirror.wrapper import _inputs
 from keras_mirror.wrapper import _targets
 
-
-def check_choice(name, value, choices):
-    """Raises ValueError unless `value` is one of `choices`."""
-    if value not in choices:
-        raise ValueError(
-            f"`{name}` must be one of {tuple(choices)}. "
-            f"Received: {name}={value!r}"
-        )
+check_choice = _arguments.check_choice
 
 
 _positive_int = _arguments.positive_int
