@@ -20,7 +20,7 @@ from keras_mirror import launch as launch_lib
 
 # Starts worker processes on ports (or namespaces): one xdist worker runs
 # every such test, one after another (`--dist loadgroup`, setup.cfg).
-pytestmark = pytest.mark.xdist_group("processes")
+pytestmark = pytest.mark.xdist_group("workers")
 
 WORKER = pathlib.Path(__file__).parent / "workers" / "mw_train.py"
 

@@ -19,7 +19,7 @@ from keras_mirror import launch as launch_lib
 
 # Starts worker processes on ports (or namespaces): one xdist worker runs
 # every such test, one after another (`--dist loadgroup`, setup.cfg).
-pytestmark = pytest.mark.xdist_group("processes")
+pytestmark = pytest.mark.xdist_group("workers")
 
 
 @pytest.mark.timeout(150)
