@@ -33,16 +33,6 @@ def batch_rows(x):
     return tf.shape(_first_leaf(x))[0]
 
 
-def dynamic_rows(t):
-    """`t` with its row count hidden from static shape inference.
-
-    A shard whose row count is statically 0 would make Keras skip the loss
-    reduction (`reduce_values` returns a (0,)-shaped tensor unreduced).
-    """
-    shape = [None] + t.shape.as_list()[1:]
-    return tf.compat.v1.placeholder_with_default(t, shape=shape)
-
-
 def weight_regularization(model):
     """Sum of the variables' regularisers, as Keras adds them to `losses`."""
     terms = [
