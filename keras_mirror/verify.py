@@ -232,15 +232,15 @@ class _Snapshot:
     def __init__(self, mirrored):
         self._mirrored = mirrored
         inner = mirrored.model
-        compared = _unique([*inner.variables] + [
+        compared = _homes.unique([*inner.variables] + [
             v for opt in _homes.optimizers_of(inner) for v in opt.variables])
         generator = _compat.global_seed_generator()
         if generator is not None:
-            compared = _unique(compared + [generator.state])
+            compared = _homes.unique(compared + [generator.state])
         self.compared = compared
         self.paths = _paths(compared)
         # A model's own step: the wrapper's step counter is not the model's.
-        self._all = _unique(compared + list(inner.metrics_variables)
+        self._all = _homes.unique(compared + list(inner.metrics_variables)
                             + list(mirrored.optimizer.variables))
         self._values = [np.array(v.numpy()) for v in self._all]
         # The wrapper's run records into a scratch dict (`scratch`); the
@@ -270,15 +270,6 @@ class _Snapshot:
         else:
             object.__setattr__(inner, "history", self._history)
         inner.stop_training = self._stop
-
-
-def _unique(variables):
-    seen, out = set(), []
-    for v in variables:
-        if id(v) not in seen:
-            seen.add(id(v))
-            out.append(v)
-    return out
 
 
 def _paths(variables):

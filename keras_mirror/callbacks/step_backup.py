@@ -113,8 +113,8 @@ class StepBackup(keras.callbacks.Callback):
         optimizers' (`iterations` included; a GAN's two optimizers too)."""
         model = mirrored.model
         optimizers = [mirrored.optimizer] + _homes.optimizers_of(model)
-        return (_unique(model.variables),
-                _unique([v for opt in optimizers if opt is not None
+        return (_homes.unique(model.variables),
+                _homes.unique([v for opt in optimizers if opt is not None
                          for v in opt.variables]))
 
     def _is_chief(self):
@@ -365,15 +365,6 @@ def _iterations(mirrored):
         if optimizer is not None:
             return int(optimizer.iterations.numpy())
     return 0
-
-
-def _unique(variables):
-    seen, out = set(), []
-    for v in variables:
-        if id(v) not in seen:
-            seen.add(id(v))
-            out.append(v)
-    return out
 
 
 def _is_key(key, prefix):

@@ -53,6 +53,16 @@ def optimizers_of(model):
     return found
 
 
+def unique(variables):
+    """`variables` in order, each once (a variable shared by sub-models)."""
+    seen, out = set(), []
+    for v in variables:
+        if id(v) not in seen:
+            seen.add(id(v))
+            out.append(v)
+    return out
+
+
 def _distributed(tf_variable):
     return isinstance(tf_variable, tf.distribute.DistributedValues)
 
@@ -68,15 +78,8 @@ class VariableHomes:
 
     def variables(self):
         """Every variable that moves: the model's and its optimizers'."""
-        seen, out = set(), []
-        groups = [self._model.variables]
-        groups += [opt.variables for opt in optimizers_of(self._model)]
-        for group in groups:
-            for v in group:
-                if id(v) not in seen:
-                    seen.add(id(v))
-                    out.append(v)
-        return out
+        return unique(list(self._model.variables) + [
+            v for opt in optimizers_of(self._model) for v in opt.variables])
 
     def _enter(self):
         for v in self.variables():
