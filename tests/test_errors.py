@@ -5,6 +5,8 @@ a function that makes the mistake, the exception class and a pattern that
 the message must match (the argument in backticks and `Received:` with the
 value). Keep the two in step: `test_docs_table_lists_every_case` checks
 that the doc has a row per case.
+
+Also the tests of `keras_mirror/wrapper/_arguments.py`.
 """
 
 import dataclasses
@@ -19,9 +21,10 @@ import keras
 import numpy as np
 import pytest
 import tensorflow as tf
-from helpers import own_step_model
-from test_error_paths import REFUSALS
-from test_error_paths import trained
+from support import helpers
+from support.helpers import own_step_model
+from support.refusals import REFUSALS
+from support.refusals import trained
 
 import keras_mirror
 from keras_mirror import cluster
@@ -31,7 +34,7 @@ from keras_mirror import saving
 from keras_mirror.callbacks.step_backup import StepBackup
 from keras_mirror.distribute import _worker_input
 
-ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+ROOT = str(helpers.ROOT)
 X = np.ones((8, 3), "float32")
 Y = np.ones((8, 1), "float32")
 

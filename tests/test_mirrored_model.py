@@ -1,13 +1,18 @@
-"""Exactness of MirroredModel against single-device training."""
+"""Exactness of MirroredModel against single-device training.
+
+Also the tests of `keras_mirror/steps/_capacity.py`,
+`keras_mirror/wrapper/_rebuild.py`, `keras_mirror/wrapper/_rendering.py`,
+`keras_mirror/wrapper/_replica_attributes.py`.
+"""
 
 import keras
 import numpy as np
 import pytest
 import tensorflow as tf
-from helpers import data
-from helpers import max_diff
-from helpers import mlp
-from helpers import summary_cells
+from support.helpers import data
+from support.helpers import max_diff
+from support.helpers import mlp
+from support.helpers import summary_cells
 
 import keras_mirror
 
@@ -291,7 +296,7 @@ def test_subclassed_built_model_and_factory(cpus):
 
 
 # A model without `get_config` trained in place: the guide-model matrix,
-# test_existing_code.py (`no_config`, both paths, an empty shard too).
+# e2e/test_existing_code.py (`no_config`, both paths, an empty shard too).
 
 
 def test_unbuilt_sequential_builds_on_first_uneven_batch(cpus):

@@ -1,128 +1,371 @@
-"""Saving: the `.keras` file loads in plain Keras without keras-mirror."""
+"""Safe files: what keras-mirror writes and what it agrees to load.
 
+`MirroredModel.save` writes only `.keras` (and `save_weights` only
+`.weights.h5`). `keras_mirror.load_model` loads only local `.keras` zip
+archives, with `safe_mode=True`, after refusing configs that name code
+outside Keras. Hostile fixtures are made by hand: a `Lambda` with Python
+bytecode, and archives whose `config.json` names `os.system` (as a layer, as
+an activation function, and through a non-modelling Keras API), each
+written to touch a marker file if it ever ran.
+"""
+
+import ast
 import json
 import os
+import pathlib
+import signal
 import subprocess
 import sys
-import textwrap
+import zipfile
 
+import h5py
 import keras
 import numpy as np
 import pytest
-from helpers import data
-from helpers import max_diff
-from helpers import mlp
+from keras.src.saving import serialization_lib
+from support import helpers
 
 import keras_mirror
+from keras_mirror import _compat
+from keras_mirror import errors
+from keras_mirror import saving
 
-# Each test runs on both execution paths (conftest.py).
-pytestmark = pytest.mark.usefixtures("execution")
-
-
-def _trained(cpus):
-    mirrored = keras_mirror.MirroredModel(mlp(), devices=cpus)
-    mirrored.compile(optimizer="adam", loss="mse")
-    x, y, _ = data(30)
-    mirrored.fit(x, y, batch_size=7, epochs=2, verbose=0)
-    return mirrored, x
+PACKAGE = pathlib.Path(keras_mirror.__file__).parent
 
 
-def test_saved_model_loads_in_a_process_without_keras_mirror(cpus, tmp_path):
-    mirrored, x = _trained(cpus)
-    path = tmp_path / "m.keras"
+def _model():
+    inputs = keras.Input((3,))
+    outputs = keras.layers.Dense(2, activation="relu", name="dense")(inputs)
+    return keras.Model(inputs, outputs)
+
+
+def _saved(tmp_path, model=None, name="good.keras"):
+    path = tmp_path / name
+    (model or _model()).save(path)
+    return path
+
+
+def _rewrite_config(src, dst, edit):
+    """Copies the `.keras` zip `src` to `dst` with `edit(config)` applied."""
+    with zipfile.ZipFile(src) as zin, zipfile.ZipFile(dst, "w") as zout:
+        for item in zin.infolist():
+            data = zin.read(item.filename)
+            if item.filename == "config.json":
+                config = json.loads(data)
+                edit(config)
+                data = json.dumps(config).encode()
+            zout.writestr(item, data)
+    return dst
+
+
+def _dense_config(config):
+    return next(layer for layer in config["config"]["layers"]
+                if layer["config"]["name"] == "dense")
+
+
+def _os_system_layer(marker):
+    def edit(config):
+        layer = _dense_config(config)
+        layer.update({"module": "os", "class_name": "system",
+                      "registered_name": "system",
+                      "config": f"touch {marker}"})
+    return edit
+
+
+def _os_system_activation(marker):
+    def edit(config):
+        _dense_config(config)["config"]["activation"] = {
+            "module": "os", "class_name": "system",
+            "config": f"touch {marker}", "registered_name": "system"}
+    return edit
+
+
+def _keras_non_modelling_api(marker):
+    def edit(config):
+        _dense_config(config)["config"]["activation"] = {
+            "module": "keras.utils", "class_name": "get_file",
+            "config": {"origin": f"file://{marker}"},
+            "registered_name": None}
+    return edit
+
+
+@pytest.fixture
+def safe_mode_state():
+    before = serialization_lib.in_safe_mode()
+    yield
+    assert serialization_lib.in_safe_mode() == before
+
+
+@pytest.fixture
+def no_unsafe_switch(monkeypatch):
+    def refuse():
+        raise AssertionError("enable_unsafe_deserialization was called")
+
+    monkeypatch.setattr(keras.config, "enable_unsafe_deserialization",
+                        refuse)
+    monkeypatch.setattr(serialization_lib, "enable_unsafe_deserialization",
+                        refuse)
+
+
+# -- hostile fixtures ----------------------------------------------------
+
+
+def test_lambda_bytecode_is_refused(tmp_path, safe_mode_state,
+                                    no_unsafe_switch):
+    inputs = keras.Input((3,))
+    outputs = keras.layers.Lambda(lambda t: t * 2.0)(inputs)
+    path = _saved(tmp_path, keras.Model(inputs, outputs), "lambda.keras")
+    with pytest.raises(errors.UnsafeModelError,
+                       match=r"a Python lambda.*Received: filepath="):
+        saving.load_model(path)
+    # Keras's own loader in safe mode refuses it too (defence in depth).
+    with pytest.raises(ValueError, match="safe_mode"):
+        keras.saving.load_model(path, safe_mode=True)
+
+
+@pytest.mark.parametrize("craft", [
+    _os_system_layer, _os_system_activation])
+def test_config_naming_os_system_is_refused(tmp_path, craft,
+                                            safe_mode_state,
+                                            no_unsafe_switch):
+    marker = tmp_path / "pwned"
+    path = _rewrite_config(_saved(tmp_path), tmp_path / "evil.keras",
+                           craft(marker))
+    with pytest.raises(errors.UnsafeModelError,
+                       match=r"module 'os'.*Received: filepath="):
+        saving.load_model(path)
+    with pytest.raises(errors.UnsafeModelError):
+        saving.load_model(path, devices=["/cpu:0"])
+    assert not marker.exists()
+
+
+def test_non_modelling_keras_api_is_refused(tmp_path, safe_mode_state):
+    marker = tmp_path / "pwned"
+    path = _rewrite_config(_saved(tmp_path), tmp_path / "evil.keras",
+                           _keras_non_modelling_api(marker))
+    with pytest.raises((ValueError, TypeError)):
+        saving.load_model(path)
+    assert not marker.exists()
+
+
+def test_legacy_h5_full_model_is_refused(tmp_path, safe_mode_state):
+    path = tmp_path / "legacy.h5"
+    _model().save(path)  # Keras writes the legacy HDF5 format
+    assert path.exists()
+    with pytest.raises(errors.UnsafeModelError,
+                       match=r"`filepath` must be a `.keras` file"):
+        saving.load_model(path)
+    disguised = tmp_path / "legacy.keras"
+    disguised.write_bytes(path.read_bytes())
+    with pytest.raises(errors.UnsafeModelError, match="not a zip file"):
+        saving.load_model(disguised)
+
+
+def test_archive_without_config_is_refused(tmp_path):
+    path = tmp_path / "empty.keras"
+    with zipfile.ZipFile(path, "w") as z:
+        z.writestr("metadata.json", "{}")
+    with pytest.raises(errors.UnsafeModelError, match="config.json"):
+        saving.load_model(path)
+
+
+def test_missing_and_remote_paths(tmp_path):
+    with pytest.raises(FileNotFoundError, match="Received: filepath="):
+        saving.load_model(tmp_path / "nope.keras")
+    with pytest.raises(FileNotFoundError):
+        saving.load_model("hf://someone/model.keras")
+    with pytest.raises(errors.UnsafeModelError):
+        saving.load_model(123)
+
+
+# -- what does load ------------------------------------------------------
+
+
+def test_round_trip_plain_and_mirrored(tmp_path, cpus, safe_mode_state,
+                                       no_unsafe_switch):
+    model = _model()
+    model.compile(optimizer="sgd", loss="mse")  # saved with the model
+    mirrored = keras_mirror.MirroredModel(model, devices=cpus[:2])
+    x = np.random.rand(10, 3).astype("float32")
+    mirrored.fit(x, np.random.rand(10, 2), batch_size=5, verbose=0)
+    path = tmp_path / "trained.keras"
     mirrored.save(path)
-    np.save(tmp_path / "x.npy", x)
-    np.save(tmp_path / "expected.npy", mirrored.predict(x, verbose=0))
-    script = textwrap.dedent(f"""
-        import sys, json
-        import numpy as np, keras
-        model = keras.saving.load_model({str(path)!r}, safe_mode=True)
-        x = np.load({str(tmp_path / 'x.npy')!r})
-        got = model.predict(x, verbose=0)
-        expected = np.load({str(tmp_path / 'expected.npy')!r})
-        print(json.dumps({{
-            "diff": float(np.abs(got - expected).max()),
-            "keras_mirror_imported": "keras_mirror" in sys.modules,
-            "class": type(model).__name__}}))
-    """)
-    env = {**os.environ, "TF_CPP_MIN_LOG_LEVEL": "3"}
-    out = subprocess.run([sys.executable, "-c", script], capture_output=True,
-                         text=True, timeout=120, env=env, cwd=tmp_path)
-    assert out.returncode == 0, out.stderr[-2000:]
-    result = json.loads(out.stdout.strip().splitlines()[-1])
-    assert result == {"diff": result["diff"], "keras_mirror_imported": False,
-                      "class": "Sequential"}
-    assert result["diff"] < 1e-6
-
-
-def test_weights_round_trip(cpus, tmp_path):
-    mirrored, x = _trained(cpus)
-    path = tmp_path / "w.weights.h5"
-    mirrored.save_weights(path)
-    other = keras_mirror.MirroredModel(mlp(seed=7), devices=cpus[:2])
-    other.load_weights(path)
-    assert max_diff(other.get_weights(), mirrored.get_weights()) == 0.0
-    np.testing.assert_allclose(other.predict(x, verbose=0),
+    plain = saving.load_model(path)
+    assert not isinstance(plain, keras_mirror.MirroredModel)
+    for a, b in zip(plain.get_weights(), mirrored.model.get_weights()):
+        np.testing.assert_array_equal(a, b)
+    again = saving.load_model(path, devices=cpus[:2],
+                                    on_nonfinite="skip_step")
+    assert isinstance(again, keras_mirror.MirroredModel)
+    assert again.num_replicas == 2 and again.on_nonfinite == "skip_step"
+    assert again.compiled
+    np.testing.assert_allclose(again.predict(x, verbose=0),
                                mirrored.predict(x, verbose=0), atol=1e-6)
 
 
-def test_model_checkpoint_writes_loadable_files(cpus, tmp_path):
-    mirrored = keras_mirror.MirroredModel(mlp(), devices=cpus)
-    mirrored.compile(optimizer="sgd", loss="mse")
-    x, y, _ = data(20)
-    pattern = str(tmp_path / "ckpt_{epoch}.keras")
-    mirrored.fit(x, y, batch_size=6, epochs=2, verbose=0, callbacks=[
-        keras.callbacks.ModelCheckpoint(pattern)])
-    assert sorted(os.listdir(tmp_path)) == ["ckpt_1.keras", "ckpt_2.keras"]
-    loaded = keras.saving.load_model(tmp_path / "ckpt_2.keras")
-    assert max_diff(loaded.get_weights(), mirrored.get_weights()) == 0.0
-    weights = str(tmp_path / "best.weights.h5")
-    mirrored.fit(x, y, batch_size=6, epochs=1, verbose=0, callbacks=[
-        keras.callbacks.ModelCheckpoint(weights, save_weights_only=True)])
-    assert os.path.exists(weights)
+def test_mirrored_kwargs_need_devices(tmp_path):
+    with pytest.raises(ValueError, match="Received: devices=None"):
+        saving.load_model(_saved(tmp_path), batch="per_replica")
 
 
-def test_model_property_is_a_plain_model_with_current_weights(cpus):
-    original = mlp()
-    mirrored, _ = _trained(cpus)
-    assert mirrored.model is not original
-    assert type(mirrored.model) is keras.Sequential
-    assert max_diff(mirrored.model.get_weights(), mirrored.get_weights()) \
-        == 0.0
+@keras.saving.register_keras_serializable(package="SafetyTest")
+class Doubler(keras.layers.Layer):
+    def call(self, x):
+        return 2.0 * x
 
 
-def test_saved_file_resumes_training_like_the_wrapper(cpus, tmp_path):
-    """Only the wrapper is compiled: the `.keras` file still carries the
-    compile configuration and Adam's state, so plain Keras continues the
-    run exactly where the wrapper does."""
-    mirrored, x = _trained(cpus)
-    _, y, _ = data(30)
-    path = tmp_path / "m.keras"
-    mirrored.save(path)
-    loaded = keras.saving.load_model(path, safe_mode=True)
-    assert loaded.compiled
-    assert type(loaded.optimizer) is keras.optimizers.Adam
-    assert int(loaded.optimizer.iterations.numpy()) == \
-        int(mirrored.optimizer.iterations.numpy()) == 10
-    kwargs = dict(batch_size=7, epochs=1, shuffle=False, verbose=0)
-    loaded.fit(x, y, **kwargs)
-    mirrored.fit(x, y, **kwargs)
-    assert max_diff(loaded.get_weights(),
-                    mirrored.model.get_weights()) < 1e-5
+def test_registered_custom_object_loads(tmp_path):
+    inputs = keras.Input((3,))
+    model = keras.Model(inputs, Doubler()(inputs))
+    loaded = saving.load_model(_saved(tmp_path, model))
+    assert isinstance(loaded.layers[-1], Doubler)
 
 
-def test_saving_keeps_the_users_matching_optimizer(cpus, tmp_path):
-    model = mlp()
-    model.compile(optimizer=keras.optimizers.SGD(0.05, momentum=0.9),
-                  loss="mse")
-    user_optimizer = model.optimizer
-    mirrored = keras_mirror.MirroredModel(model, devices=cpus)
-    x, y, _ = data(30)
-    mirrored.fit(x, y, batch_size=7, epochs=1, verbose=0)
+def test_custom_objects_argument_is_trusted(tmp_path):
+    class Tripler(keras.layers.Layer):
+        def call(self, x):
+            return 3.0 * x
+
+    inputs = keras.Input((3,))
+    path = _saved(tmp_path, keras.Model(inputs, Tripler()(inputs)))
+    with pytest.raises(errors.UnsafeModelError, match="Tripler"):
+        saving.load_model(path)
+    loaded = saving.load_model(path,
+                                     custom_objects={"Tripler": Tripler})
+    assert isinstance(loaded.layers[-1], Tripler)
+
+
+# -- what is written -----------------------------------------------------
+
+
+@pytest.mark.parametrize("name", ["m.h5", "m.hdf5", "m.tf", "m"])
+def test_save_writes_only_keras(tmp_path, cpus, name):
+    mirrored = keras_mirror.MirroredModel(_model(), devices=cpus[:2])
+    with pytest.raises(ValueError, match="Received: filepath="):
+        mirrored.save(tmp_path / name)
+    with pytest.raises(ValueError, match="Received: filepath="):
+        mirrored.save_weights(tmp_path / name)
+    assert list(tmp_path.iterdir()) == []
     mirrored.save(tmp_path / "m.keras")
-    assert model.optimizer is user_optimizer
-    assert int(user_optimizer.iterations.numpy()) == 5
-    loaded = keras.saving.load_model(tmp_path / "m.keras")
-    assert loaded.optimizer.get_config()["momentum"] == 0.9
-    np.testing.assert_allclose(loaded.optimizer.variables[-1].numpy(),
-                               mirrored.optimizer.variables[-1].numpy())
+    mirrored.save_weights(tmp_path / "m.weights.h5")
+    assert zipfile.is_zipfile(tmp_path / "m.keras")
+    mirrored.load_weights(tmp_path / "m.weights.h5")
+
+
+# -- the source never weakens safe mode -----------------------------------
+
+
+def _calls(tree, name):
+    for node in ast.walk(tree):
+        if isinstance(node, ast.Call):
+            func = node.func
+            called = getattr(func, "attr", None) or getattr(func, "id", None)
+            if called == name:
+                yield node
+
+
+def test_source_never_enables_unsafe_deserialization():
+    for path in PACKAGE.rglob("*.py"):
+        tree = ast.parse(path.read_text())
+        assert not list(_calls(tree, "enable_unsafe_deserialization")), path
+        for node in ast.walk(tree):
+            if isinstance(node, ast.keyword) and node.arg == "safe_mode":
+                assert ast.literal_eval(node.value) is True, path
+        for call in _calls(tree, "load_model"):
+            if isinstance(call.func, ast.Attribute) and isinstance(
+                    call.func.value, ast.Name) and call.func.value.id in (
+                    "saving",) and path.name != "saving.py":
+                continue  # keras_mirror.saving.load_model is safe itself
+            kwargs = {k.arg: k.value for k in call.keywords}
+            assert "safe_mode" in kwargs, (path, call.lineno)
+            assert ast.literal_eval(kwargs["safe_mode"]) is True
+
+
+def test_keras_version_is_checked(monkeypatch):
+    monkeypatch.setattr(keras, "__version__", "3.13.2")
+    with pytest.raises(ImportError, match=r"Keras >= 3\.14.*3\.13\.2"):
+        _compat.check_keras_version()
+    with pytest.raises(ImportError):
+        saving.load_model("whatever.keras")
+
+
+# -- atomic saves (issue 16, defect 3) ------------------------------------
+
+KILL_WORKER = helpers.WORKERS / "kill_mid_save.py"
+
+
+def _run_killed(mode, directory):
+    env = dict(os.environ, PYTHONPATH=os.pathsep.join(
+        [str(PACKAGE.parent)] + sys.path))
+    proc = subprocess.run(
+        [sys.executable, str(KILL_WORKER), mode, str(directory)],
+        capture_output=True, text=True, timeout=120, env=env)
+    assert proc.returncode == -signal.SIGKILL, proc.stdout + proc.stderr
+    assert "killing myself mid-save" in proc.stdout
+    with np.load(directory / "first.npz") as f:
+        return [f[k] for k in f.files]
+
+
+def _max_diff(a, b):
+    return max(float(np.max(np.abs(p - q))) for p, q in zip(a, b))
+
+
+@pytest.mark.timeout(150)
+def test_kill_mid_save_keeps_the_previous_file(tmp_path, cpus):
+    first = _run_killed("save", tmp_path)
+    loaded = keras.saving.load_model(tmp_path / "model.keras")
+    assert _max_diff(loaded.get_weights(), first) == 0.0
+    leftovers = [p.name for p in tmp_path.iterdir() if ".tmp." in p.name]
+    assert len(leftovers) == 1 and leftovers[0].startswith(".model.keras.")
+    # The next save of the same file removes the killed save's temporary.
+    mirrored = keras_mirror.MirroredModel(loaded, devices=cpus[:2])
+    mirrored.save(tmp_path / "model.keras")
+    assert sorted(p.name for p in tmp_path.iterdir()) == [
+        "first.npz", "model.keras"]
+
+
+@pytest.mark.timeout(150)
+def test_kill_mid_model_checkpoint_keeps_the_previous_file(tmp_path):
+    first = _run_killed("checkpoint", tmp_path)
+    model = keras.Sequential([keras.Input((4,)), keras.layers.Dense(3)])
+    model.load_weights(tmp_path / "ckpt.weights.h5")
+    assert _max_diff(model.get_weights(), first) == 0.0
+
+
+class _Boom(Exception):
+    pass
+
+
+@pytest.mark.parametrize("method,name", [
+    ("save", "m.keras"), ("save_weights", "m.weights.h5")])
+def test_failed_save_leaves_the_old_file_and_no_temporary(
+        tmp_path, cpus, monkeypatch, method, name):
+    mirrored = keras_mirror.MirroredModel(_model(), devices=cpus[:2])
+    getattr(mirrored, method)(tmp_path / name)
+    before = (tmp_path / name).read_bytes()
+
+    def fail(self, *args, **kwargs):
+        raise _Boom()
+
+    monkeypatch.setattr(zipfile.ZipFile, "close", fail)
+    monkeypatch.setattr(h5py.File, "close", fail)
+    with pytest.raises(_Boom):
+        getattr(mirrored, method)(tmp_path / name)
+    monkeypatch.undo()
+    assert (tmp_path / name).read_bytes() == before
+    assert [p.name for p in tmp_path.iterdir()] == [name]
+
+
+def test_save_to_a_directory_or_a_missing_one(tmp_path, cpus):
+    mirrored = keras_mirror.MirroredModel(_model(), devices=cpus[:2])
+    folder = tmp_path / "folder.keras"
+    folder.mkdir()
+    with pytest.raises(IsADirectoryError, match=(
+            "`filepath` must name a file, not a directory. Received: "
+            f"filepath='{folder}'")):
+        mirrored.save(folder)
+    missing = tmp_path / "nope" / "m.weights.h5"
+    with pytest.raises(FileNotFoundError, match=(
+            f"`filepath` must be in an existing directory; "
+            f"'{tmp_path / 'nope'}' does not exist")):
+        mirrored.save_weights(missing)

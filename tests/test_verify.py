@@ -8,12 +8,12 @@ restored exactly afterwards, so that a following `fit` equals a `fit`
 without `verify`.
 """
 
-import guide_models
 import keras
 import numpy as np
 import pytest
 import tensorflow as tf
-from helpers import max_diff
+from support import guide_models
+from support.helpers import max_diff
 
 import keras_mirror
 

@@ -1,0 +1,218 @@
+"""Loss reductions classified on real rows, each output on its own (issue 24).
+
+Each test trains the same model on one device and through `MirroredModel`
+over 4 logical CPUs from the same `tf.data` input, on both execution paths,
+and asserts equal weights (1e-5) and equal logs, per output too.
+
+Also the tests of `keras_mirror/steps/_reductions.py`.
+"""
+
+import keras
+import numpy as np
+import pytest
+import tensorflow as tf
+from support.helpers import max_diff
+
+import keras_mirror
+from keras_mirror import errors
+from keras_mirror.steps import dispatch
+
+pytestmark = pytest.mark.usefixtures("execution")
+
+
+def _mlp(loss, outputs=2, spe=1):
+    keras.utils.set_random_seed(0)
+    model = keras.Sequential([
+        keras.Input((6,)), keras.layers.Dense(8, activation="tanh"),
+        keras.layers.Dense(outputs)])
+    model.compile(optimizer=keras.optimizers.SGD(0.01), loss=loss,
+                  steps_per_execution=spe)
+    return model
+
+
+def _data(rows=50, seed=0):
+    rng = np.random.default_rng(seed)
+    x = rng.normal(size=(rows, 6)).astype("float32")
+    y = rng.normal(size=(rows, 2)).astype("float32")
+    return x, y
+
+
+def _both(make, ds, epochs=2, **kwargs):
+    """(one device's model and history, the wrapper and its history)."""
+    single = make()
+    single_history = single.fit(ds, epochs=epochs, verbose=0, **kwargs)
+    mirrored = keras_mirror.MirroredModel(make())
+    history = mirrored.fit(ds, epochs=epochs, verbose=0, **kwargs)
+    return single, single_history.history, mirrored, history.history
+
+
+def _assert_same_logs(expected, logs):
+    for key, values in expected.items():
+        np.testing.assert_allclose(logs[key], values, rtol=1e-5,
+                                   err_msg=key)
+
+
+def test_sum_reduction_from_a_dataset_is_exact():
+    x, y = _data()
+    ds = tf.data.Dataset.from_tensor_slices((x, y)).batch(14)
+    make = lambda: _mlp(keras.losses.MeanSquaredError(reduction="sum"))  # noqa
+    single, expected, mirrored, logs = _both(make, ds, validation_data=ds)
+    assert max_diff(single.get_weights(), mirrored.get_weights()) < 1e-5
+    assert mirrored._reductions.outputs == ("sum",)
+    _assert_same_logs(expected, logs)
+
+
+def test_masked_model_from_a_dataset_is_classified_and_exact():
+    """On zeros `Embedding(mask_zero=True)` masks everything (NaN)."""
+    rng = np.random.default_rng(0)
+    x = rng.integers(1, 20, size=(50, 7)).astype("int32")
+    x[:, 5:] = 0
+    y = rng.normal(size=(50, 1)).astype("float32")
+    ds = tf.data.Dataset.from_tensor_slices((x, y)).batch(14)
+
+    def make():
+        keras.utils.set_random_seed(0)
+        model = keras.Sequential([
+            keras.Input((7,), dtype="int32"),
+            keras.layers.Embedding(20, 4, mask_zero=True),
+            keras.layers.GlobalAveragePooling1D(), keras.layers.Dense(1)])
+        model.compile(optimizer=keras.optimizers.SGD(0.05), loss="mse")
+        return model
+
+    single, expected, mirrored, logs = _both(make, ds)
+    assert max_diff(single.get_weights(), mirrored.get_weights()) < 1e-5
+    assert mirrored._reductions.outputs == ("mean",)
+    _assert_same_logs(expected, logs)
+
+
+def _two_outputs(reductions):
+    keras.utils.set_random_seed(0)
+    inputs = keras.Input((6,))
+    hidden = keras.layers.Dense(8, activation="tanh")(inputs)
+    model = keras.Model(inputs, {
+        "a": keras.layers.Dense(2, name="a")(hidden),
+        "b": keras.layers.Dense(1, name="b")(hidden)})
+    model.compile(
+        optimizer=keras.optimizers.SGD(0.01),
+        loss={"a": keras.losses.MeanSquaredError(reduction=reductions[0]),
+              "b": keras.losses.MeanAbsoluteError(reduction=reductions[1])},
+        loss_weights={"a": 1.0, "b": 0.5})
+    return model
+
+
+def _two_output_data():
+    x, y = _data()
+    rng = np.random.default_rng(3)
+    targets = {"a": y, "b": rng.normal(size=(50, 1)).astype("float32")}
+    return tf.data.Dataset.from_tensor_slices((x, targets)).batch(14)
+
+
+@pytest.mark.parametrize("reductions,kinds", [
+    (("sum", "sum"), ("sum", "sum")),
+    (("sum", "sum_over_batch_size"), ("sum", "mean")),
+])
+def test_each_output_is_trained_and_logged_by_its_own_reduction(
+        reductions, kinds):
+    ds = _two_output_data()
+    single, expected, mirrored, logs = _both(
+        lambda: _two_outputs(reductions), ds, validation_data=ds)
+    assert max_diff(single.get_weights(), mirrored.get_weights()) < 1e-5
+    assert mirrored._reductions.outputs == kinds
+    assert {"a_loss", "b_loss", "val_a_loss", "val_b_loss"} <= set(expected)
+    _assert_same_logs(expected, logs)
+    np.testing.assert_allclose(
+        list(mirrored.evaluate(ds, verbose=0, return_dict=True).values()),
+        list(single.evaluate(ds, verbose=0, return_dict=True).values()),
+        rtol=1e-5)
+
+
+def test_evaluate_first_classifies_on_its_own_first_batch():
+    x, y = _data()
+    ds = tf.data.Dataset.from_tensor_slices((x, y)).batch(14)
+    single = _mlp(keras.losses.MeanSquaredError(reduction="sum"))
+    mirrored = keras_mirror.MirroredModel(
+        _mlp(keras.losses.MeanSquaredError(reduction="sum")))
+    np.testing.assert_allclose(mirrored.evaluate(ds, verbose=0),
+                               single.evaluate(ds, verbose=0), rtol=1e-5)
+    assert mirrored._reductions.outputs == ("sum",)
+
+
+def test_a_builtin_loss_that_is_zero_on_the_first_batch_goes_by_reduction():
+    """0 on the batch and on it twice decides nothing: the built-in loss's
+    `reduction` does, never a default of "mean"."""
+    x, y = _data()
+    x[:14] = 0.0
+    y[:14] = 0.0  # zero predictions (zero inputs, zero biases), zero loss
+
+    def make():
+        model = _mlp(keras.losses.MeanSquaredError(reduction="sum"))
+        return model
+
+    ds = tf.data.Dataset.from_tensor_slices((x, y)).batch(14)
+    single, expected, mirrored, logs = _both(make, ds)
+    assert max_diff(single.get_weights(), mirrored.get_weights()) < 1e-5
+    assert mirrored._reductions.outputs == ("sum",)
+
+
+def test_an_undecidable_custom_loss_is_refused_not_taken_for_a_mean():
+    class Zero(keras.losses.Loss):
+        def call(self, y_true, y_pred):
+            return keras.ops.sum(y_pred) * 0.0
+
+    x, y = _data()
+    ds = tf.data.Dataset.from_tensor_slices((x, y)).batch(14)
+    mirrored = keras_mirror.MirroredModel(_mlp(Zero(name="zero")))
+    with pytest.raises(errors.LossReductionError,
+                       match=r"The loss of output 'zero' is undecidable: it "
+                             r"is 0 or not finite .*Received: loss=zero"):
+        mirrored.fit(ds, verbose=0)
+
+
+@pytest.mark.parametrize("spe", [1, 3])
+def test_the_probe_reuses_the_first_batch_and_traces_the_step_once(
+        spe, monkeypatch):
+    traced = []
+    original = dispatch.StepDispatch.train_step
+
+    def counting(self, data):
+        traced.append(1)
+        return original(self, data)
+
+    monkeypatch.setattr(dispatch.StepDispatch, "train_step", counting)
+    x, y = _data()
+    ds = tf.data.Dataset.from_tensor_slices((x, y)).batch(14)
+    make = lambda: _mlp(keras.losses.MeanSquaredError(reduction="sum"),  # noqa
+                        spe=spe)
+    single, expected, mirrored, logs = _both(make, ds)
+    assert len(traced) == 1
+    assert int(mirrored.optimizer.iterations) == int(
+        single.optimizer.iterations) == 8
+    assert max_diff(single.get_weights(), mirrored.get_weights()) < 1e-5
+    _assert_same_logs(expected, logs)
+
+
+def test_add_loss_sum_and_zero_initialised_regulariser():
+    """An `add_loss` batch sum is weighted 1; a bias regulariser that is 0
+    at first (zeros) is weight regularisation, classified statically."""
+
+    class SumPenalty(keras.layers.Layer):
+        def call(self, x):
+            self.add_loss(0.01 * keras.ops.sum(keras.ops.square(x)))
+            return x
+
+    def make():
+        keras.utils.set_random_seed(0)
+        model = keras.Sequential([
+            keras.Input((6,)),
+            keras.layers.Dense(8, activation="tanh",
+                               bias_regularizer=keras.regularizers.L2(0.1)),
+            SumPenalty(), keras.layers.Dense(2)])
+        model.compile(optimizer=keras.optimizers.SGD(0.01), loss="mse")
+        return model
+
+    x, y = _data()
+    ds = tf.data.Dataset.from_tensor_slices((x, y)).batch(14)
+    single, expected, mirrored, logs = _both(make, ds)
+    assert max_diff(single.get_weights(), mirrored.get_weights()) < 1e-5
+    assert mirrored._reductions.extras == ("sum", "mean")
+    _assert_same_logs(expected, logs)
