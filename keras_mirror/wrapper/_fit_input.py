@@ -104,9 +104,18 @@ def _validation(mirrored, validation_data):
     if not isinstance(validation_data,
                       (tf.data.Dataset, keras.utils.PyDataset)):
         return validation_data, None
+    capacity = mirrored._capacity
     first = _inputs.First(validation_data)
-    # As before: the validation input's capacity is the one set last.
     validation_data, _ = adapt(mirrored, validation_data, None, first)
+    if mirrored._capacity != capacity:
+        # One capacity splits the training and the validation steps: a
+        # smaller one would drop training rows, a larger validation rows.
+        raise ValueError(
+            "`validation_data` must have the per-replica batch size of `x` "
+            f"({capacity} rows) with `batch='per_replica'`: the training "
+            "and validation steps split by one capacity, and another would "
+            "drop rows. Received: validation_data with batches of "
+            f"{mirrored._capacity} rows")
     return validation_data, first
 
 
