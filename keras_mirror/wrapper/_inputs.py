@@ -85,6 +85,8 @@ def first_batch(x, y=None, sample_weight=None, shapes_only=False,
     `first` (a `First` of the input as the user gave it), which reads it
     at most once for every caller.
     """
+    if first is None and is_generator(x) and x not in _FIRST:
+        return None  # not peeked: reading it here would lose an element
     first = first if first is not None else First(x)
     if isinstance(x, tf.data.Dataset):
         element = batch_from_spec(x)
