@@ -6,6 +6,7 @@ single-device weights. When TensorFlow initialised its devices before
 `import keras_mirror`, the error names the line to move.
 """
 
+import functools
 import json
 import pathlib
 import subprocess
@@ -26,7 +27,9 @@ pytestmark = pytest.mark.xdist_group("processes")
 WORKERS = pathlib.Path(__file__).parent / "workers"
 
 
+@functools.cache
 def single_device_weights(epochs=2):
+    """Plain Keras on one device, computed once: the reference weights."""
     keras.utils.set_random_seed(0)
     model = keras.Sequential([
         keras.Input((6,)),
