@@ -19,6 +19,7 @@ ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 sys.path.insert(0, os.path.join(ROOT, "benchmarks"))
 
 import netns  # noqa: E402
+from test_launch import _clean_session  # noqa: E402, F401
 
 # Starts worker processes on ports (or namespaces): one xdist worker runs
 # every such test, one after another (`--dist loadgroup`, setup.cfg).

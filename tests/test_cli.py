@@ -6,6 +6,7 @@ import sys
 import types
 
 import pytest
+from test_launch import _clean_session  # noqa: F401
 
 from keras_mirror import cli
 from keras_mirror import demo

@@ -6,6 +6,7 @@ import subprocess
 import sys
 
 import pytest
+from test_launch import _clean_session  # noqa: F401
 
 EXAMPLES = pathlib.Path(__file__).resolve().parent.parent / "examples"
 
