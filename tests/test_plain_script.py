@@ -20,9 +20,10 @@ from test_multi_worker import _no_leftover_processes  # noqa: F401
 from keras_mirror import launch as launch_lib
 from keras_mirror.launch import _ports
 
-# Starts worker processes on ports (or namespaces): one xdist worker runs
-# every such test, one after another (`--dist loadgroup`, setup.cfg).
-pytestmark = pytest.mark.xdist_group("processes")
+# Starts worker processes on ports: one xdist worker runs the "workers"
+# group (multi-worker training runs) one test after another (`--dist
+# loadgroup`, setup.cfg), beside the "network" and "processes" groups.
+pytestmark = pytest.mark.xdist_group("workers")
 
 WORKERS = pathlib.Path(__file__).parent / "workers"
 
