@@ -26,9 +26,19 @@ def _run(*argv, code=None):
 # Every command line the tests below check, answered by `cli.main` in one
 # fresh interpreter (one start-up instead of one per command line), each
 # with its own captured stdout, stderr and exit code.
-ARGVS = [[], ["--version"], ["demo", "--help"], ["demo", "--replicas", "0"],
-         ["demo", "--batch-size", "ten"], ["demo", "--target", "95"],
-         ["demo", "--execution", "graph"], ["dmeo"], ["launch", "--help"]]
+USAGE_ERRORS = [
+    (["demo", "--replicas", "0"],
+     "argument --replicas: must be a positive integer, got '0'"),
+    (["demo", "--batch-size", "ten"],
+     "argument --batch-size: must be a positive integer, got 'ten'"),
+    (["demo", "--target", "95"],
+     "argument --target: must be a number from 0 to 1, got '95'"),
+    (["demo", "--execution", "graph"],
+     "argument --execution: invalid choice: 'graph' (choose from 'auto', "
+     "'in_graph', 'strategy')"),
+]
+ARGVS = [[], ["--version"], ["demo", "--help"], ["dmeo"], ["launch", "--help"],
+         *(argv for argv, _ in USAGE_ERRORS)]
 _EACH = """\
 import contextlib, io, json, sys
 from keras_mirror import cli
@@ -121,17 +131,7 @@ def test_demo_help_shows_every_default(answers):
     assert (out.returncode, out.stdout) == (0, DEMO_HELP)
 
 
-@pytest.mark.parametrize("argv, message", [
-    (["demo", "--replicas", "0"],
-     "argument --replicas: must be a positive integer, got '0'"),
-    (["demo", "--batch-size", "ten"],
-     "argument --batch-size: must be a positive integer, got 'ten'"),
-    (["demo", "--target", "95"],
-     "argument --target: must be a number from 0 to 1, got '95'"),
-    (["demo", "--execution", "graph"],
-     "argument --execution: invalid choice: 'graph' (choose from 'auto', "
-     "'in_graph', 'strategy')"),
-])
+@pytest.mark.parametrize("argv, message", USAGE_ERRORS)
 def test_errors_name_the_flag(argv, message, answers):
     out = answers[tuple(argv)]
     assert out.returncode == 2 and out.stdout == ""
