@@ -118,6 +118,11 @@ def main():
         kind_out = out if len(kinds) == 1 else out / kind
         kind_out.mkdir(exist_ok=True)
         train(args, cpus, kind, kind_epochs, kind_out)
+    task = keras_mirror.cluster.cluster_from_env()
+    if task is not None:
+        import _finish  # beside this script
+
+        _finish.exit_together(out, task.task_index, task.num_workers)
 
 
 def train(args, cpus, kind, epochs, out):
