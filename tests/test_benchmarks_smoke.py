@@ -11,6 +11,7 @@ import subprocess
 import sys
 
 import pytest
+from test_launch import _clean_session  # noqa: F401
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 SCRIPT = os.path.join(ROOT, "benchmarks", "bench_step.py")

@@ -4,6 +4,8 @@ import os
 import subprocess
 import sys
 
+from test_launch import _clean_session  # noqa: F401
+
 from keras_mirror import demo
 
 

@@ -4,6 +4,8 @@ import subprocess
 import sys
 import textwrap
 
+from test_launch import _clean_session  # noqa: F401
+
 
 def test_missing_tensorflow_names_the_extra_to_install():
     # A meta-path finder that hides TensorFlow, in a fresh interpreter.

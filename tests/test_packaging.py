@@ -21,6 +21,7 @@ import tarfile
 import zipfile
 
 import pytest
+from test_launch import _clean_session  # noqa: F401
 
 from keras_mirror.version import __version__
 

@@ -3,6 +3,8 @@
 import os
 import sys
 
+from test_launch import _clean_session  # noqa: F401
+
 from keras_mirror.launch import _quiet
 
 NOISE = (
