@@ -7,24 +7,21 @@ import tensorflow as tf
 
 from keras_mirror import _compat
 from keras_mirror import verify as verify_lib
-from keras_mirror.callbacks import replica_history
 from keras_mirror.callbacks import step_backup
 from keras_mirror.distribute import _homes
 from keras_mirror.distribute import _multi_worker
 from keras_mirror.distribute import _worker_input
 from keras_mirror.distribute import devices as devices_lib
-from keras_mirror.steps import _capacity
 from keras_mirror.steps import _execution
 from keras_mirror.steps import dispatch
 from keras_mirror.steps import own_step
 from keras_mirror.wrapper import _arguments
 from keras_mirror.wrapper import _compile
 from keras_mirror.wrapper import _files
-from keras_mirror.wrapper import _inputs
+from keras_mirror.wrapper import _fit_input
 from keras_mirror.wrapper import _on_batch
 from keras_mirror.wrapper import _rebuild
 from keras_mirror.wrapper import _user_model
-from keras_mirror.wrapper import _validate
 from keras_mirror.wrapper._replica_attributes import ReplicaAttributes
 
 
@@ -232,36 +229,20 @@ class MirroredModel(ReplicaAttributes, _user_model.UserModelState,
         """Trains as `keras.Model.fit`, with the input split per replica."""
         _compile.follow(self)
         _compile.require_compiled(self, "fit")
-        x = _worker_input.virtual_input(self, x, y, batch_size)
-        _validate.check_fit_inputs(self, x, y, batch_size, steps_per_epoch,
-                                   kwargs, epochs, callbacks)
-        x, batch_size = _capacity.adapt_input(self, x, batch_size)
-        if validation_data is not None and isinstance(
-                validation_data, (tf.data.Dataset, keras.utils.PyDataset)):
-            validation_data, _ = _capacity.adapt_input(
-                self, validation_data, None)
-        _validate.check_more_fit_inputs(self, x, validation_data, kwargs)
-        _compile.ensure_built(self, x, y, kwargs.get("sample_weight"))
-        _validate.check_built_model(self, x, y)
-        x, y, batch_size, kwargs = _worker_input.shard_fit_input(
-            self, x, y, batch_size, kwargs)
-        verbose = 1 if verbose == "auto" else verbose
-        steps = _inputs.count_steps(x, batch_size, steps_per_epoch,
-                                    kwargs.get("validation_split", 0.0))
-        callbacks = replica_history.callback_list(self, callbacks, verbose,
-                                                  epochs, steps)
-        backup = step_backup.find(callbacks)
+        prepared = _fit_input.prepare_fit(
+            self, x, y, batch_size, epochs, verbose, callbacks,
+            validation_data, steps_per_epoch, kwargs)
+        backup = step_backup.find(prepared.callbacks)
         with self._homes.mirrored(), _user_model.saves_through(self):
             if backup is not None:
                 return backup.resume_fit(
-                    self, super().fit, x, y, batch_size, epochs,
-                    steps_per_epoch,
-                    dict(kwargs, verbose=verbose, callbacks=callbacks,
-                         validation_data=validation_data), steps=steps)
+                    self, super().fit, prepared.x, prepared.y,
+                    prepared.batch_size, epochs, steps_per_epoch,
+                    prepared.keras_kwargs(), steps=prepared.steps)
             return super().fit(
-                x, y, batch_size=batch_size, epochs=epochs, verbose=verbose,
-                callbacks=callbacks, validation_data=validation_data,
-                steps_per_epoch=steps_per_epoch, **kwargs)
+                prepared.x, prepared.y, batch_size=prepared.batch_size,
+                epochs=epochs, steps_per_epoch=steps_per_epoch,
+                **prepared.keras_kwargs())
 
     @_rebuild.outside_other_strategies
     def evaluate(self, x=None, y=None, batch_size=None, **kwargs):
@@ -269,11 +250,8 @@ class MirroredModel(ReplicaAttributes, _user_model.UserModelState,
         _compile.follow(self)
         _compile.require_compiled(self, "evaluate")
         if not kwargs.get("_use_cached_eval_dataset"):
-            x, batch_size = _capacity.adapt_input(self, x, batch_size)
-            _validate.check_inputs(self, x, y, kwargs.get("sample_weight"),
-                                   batch_size=batch_size)
-            _compile.ensure_built(self, x, y, kwargs.get("sample_weight"))
-            replica_history.route_test_callbacks(self, x, batch_size, kwargs)
+            x, batch_size = _fit_input.prepare_evaluate(self, x, y,
+                                                        batch_size, kwargs)
         with self._homes.mirrored(), _user_model.saves_through(self):
             return super().evaluate(x, y, batch_size=batch_size, **kwargs)
 
@@ -281,12 +259,8 @@ class MirroredModel(ReplicaAttributes, _user_model.UserModelState,
     def predict(self, x, batch_size=None, **kwargs):
         """Predicts as `keras.Model.predict`; rows keep the input order."""
         _compile.follow(self)
-        _validate.check_predict_inputs(x, batch_size)
-        x, batch_size = _capacity.adapt_input(self, x, batch_size)
-        if not self._inner.built:
-            _rebuild.build_from_batch(self._inner, _inputs.first_x(x))
-            self._homes.refresh()
-        replica_history.route_test_callbacks(self, x, batch_size, kwargs)
+        x, batch_size = _fit_input.prepare_predict(self, x, batch_size,
+                                                   kwargs)
         with self._homes.mirrored(), _user_model.saves_through(self):
             return super().predict(x, batch_size=batch_size, **kwargs)
 
@@ -295,9 +269,7 @@ class MirroredModel(ReplicaAttributes, _user_model.UserModelState,
         """Runs one exact step on one global batch."""
         _compile.follow(self)
         _compile.require_compiled(self, "train_on_batch")
-        _validate.check_inputs(self, x, y, sample_weight)
-        _capacity.on_batch(self, x)
-        _compile.ensure_built(self, x, y, sample_weight)
+        _fit_input.prepare_batch(self, x, y, sample_weight)
         with self._homes.mirrored():
             return _on_batch.checked(self, functools.partial(
                 super().train_on_batch, x, y, sample_weight=sample_weight,
@@ -308,9 +280,7 @@ class MirroredModel(ReplicaAttributes, _user_model.UserModelState,
         """Evaluates one global batch exactly."""
         _compile.follow(self)
         _compile.require_compiled(self, "test_on_batch")
-        _validate.check_inputs(self, x, y, sample_weight)
-        _capacity.on_batch(self, x)
-        _compile.ensure_built(self, x, y, sample_weight)
+        _fit_input.prepare_batch(self, x, y, sample_weight)
         with self._homes.mirrored():
             return _on_batch.plain(self, "test", functools.partial(
                 super().test_on_batch, x, y, sample_weight=sample_weight,
@@ -320,10 +290,7 @@ class MirroredModel(ReplicaAttributes, _user_model.UserModelState,
     def predict_on_batch(self, x):
         """Predicts one global batch; rows keep the input order."""
         _compile.follow(self)
-        _capacity.on_batch(self, x)
-        if not self._inner.built:
-            _rebuild.build_from_batch(self._inner, x)
-            self._homes.refresh()
+        _fit_input.prepare_batch(self, x, predict=True)
         with self._homes.mirrored():
             return super().predict_on_batch(x)
 

@@ -28,8 +28,8 @@ import tensorflow as tf
 
 from keras_mirror import _compat
 from keras_mirror.distribute import _homes
-from keras_mirror.steps import _capacity
 from keras_mirror.wrapper import _compile
+from keras_mirror.wrapper import _fit_input
 from keras_mirror.wrapper import _inputs
 from keras_mirror.wrapper import _rendering
 
@@ -111,10 +111,11 @@ def verify(mirrored, x, y=None, batch_size=None, steps=3, tolerance=1e-5,
     x = _replayable(x, steps * (mirrored.num_replicas
                                 if mirrored.batch_mode == "per_replica"
                                 else 1))
-    reference_x, reference_batch = _capacity.adapt_input(
-        mirrored, x, batch_size)
+    first = _inputs.First(x)
+    reference_x, reference_batch = _fit_input.adapt(
+        mirrored, x, batch_size, first)
     _compile.ensure_built(mirrored, reference_x, y,
-                          fit_kwargs.get("sample_weight"))
+                          fit_kwargs.get("sample_weight"), first)
     state = _Snapshot(mirrored)
     fit_kwargs.setdefault("shuffle", False)
     try:

@@ -1,7 +1,9 @@
 """`keras-mirror`: one argparse program; exact usage, help and errors."""
 
+import json
 import subprocess
 import sys
+import types
 
 import pytest
 
@@ -18,6 +20,50 @@ def _run(*argv, code=None):
          *argv], capture_output=True, text=True, timeout=60,
         env={"COLUMNS": "80", "PATH": "/usr/bin:/bin",
              "PYTHONPATH": ":".join(sys.path)})
+
+
+# Every command line the tests below check, answered by `cli.main` in one
+# fresh interpreter (one start-up instead of one per command line), each
+# with its own captured stdout, stderr and exit code.
+USAGE_ERRORS = [
+    (["demo", "--replicas", "0"],
+     "argument --replicas: must be a positive integer, got '0'"),
+    (["demo", "--batch-size", "ten"],
+     "argument --batch-size: must be a positive integer, got 'ten'"),
+    (["demo", "--target", "95"],
+     "argument --target: must be a number from 0 to 1, got '95'"),
+    (["demo", "--execution", "graph"],
+     "argument --execution: invalid choice: 'graph' (choose from 'auto', "
+     "'in_graph', 'strategy')"),
+]
+ARGVS = [[], ["--version"], ["demo", "--help"], ["dmeo"], ["launch", "--help"],
+         *(argv for argv, _ in USAGE_ERRORS)]
+_EACH = """\
+import contextlib, io, json, sys
+from keras_mirror import cli
+results = []
+for argv in json.loads(sys.argv[1]):
+    out, err = io.StringIO(), io.StringIO()
+    with contextlib.redirect_stdout(out), contextlib.redirect_stderr(err):
+        try:
+            code = cli.main(argv)
+        except SystemExit as e:
+            code = e.code
+    results.append([0 if code is None else code, out.getvalue(),
+                    err.getvalue()])
+print(json.dumps(results))
+"""
+
+
+@pytest.fixture(scope="module")
+def answers():
+    """{argv tuple: (returncode, stdout, stderr)} for every one of ARGVS."""
+    done = _run(json.dumps(ARGVS), code=_EACH)
+    assert done.returncode == 0, done.stderr[-2000:]
+    results = json.loads(done.stdout)
+    return {tuple(a): types.SimpleNamespace(
+        returncode=r[0], stdout=r[1], stderr=r[2])
+        for a, r in zip(ARGVS, results)}
 
 
 USAGE = "usage: keras-mirror [-h] [--version] {demo,launch} ...\n"
@@ -69,48 +115,38 @@ options:
 """
 
 
-def test_no_subcommand_prints_usage():
-    out = _run()
+def test_no_subcommand_prints_usage(answers):
+    out = answers[()]
     assert (out.returncode, out.stdout, out.stderr) == (2, HELP, "")
 
 
-def test_version():
-    out = _run("--version")
+def test_version(answers):
+    out = answers[("--version",)]
     assert (out.returncode, out.stdout) == (0, f"keras-mirror {__version__}\n")
 
 
-def test_demo_help_shows_every_default():
-    out = _run("demo", "--help")
+def test_demo_help_shows_every_default(answers):
+    out = answers[("demo", "--help")]
     assert (out.returncode, out.stdout) == (0, DEMO_HELP)
 
 
-@pytest.mark.parametrize("argv, message", [
-    (["demo", "--replicas", "0"],
-     "argument --replicas: must be a positive integer, got '0'"),
-    (["demo", "--batch-size", "ten"],
-     "argument --batch-size: must be a positive integer, got 'ten'"),
-    (["demo", "--target", "95"],
-     "argument --target: must be a number from 0 to 1, got '95'"),
-    (["demo", "--execution", "graph"],
-     "argument --execution: invalid choice: 'graph' (choose from 'auto', "
-     "'in_graph', 'strategy')"),
-])
-def test_errors_name_the_flag(argv, message):
-    out = _run(*argv)
+@pytest.mark.parametrize("argv, message", USAGE_ERRORS)
+def test_errors_name_the_flag(argv, message, answers):
+    out = answers[tuple(argv)]
     assert out.returncode == 2 and out.stdout == ""
     assert out.stderr.splitlines()[-1] == f"keras-mirror demo: error: {message}"
 
 
-def test_unknown_subcommand():
-    out = _run("dmeo")
+def test_unknown_subcommand(answers):
+    out = answers[("dmeo",)]
     assert out.returncode == 2
     assert out.stderr == USAGE + (
         "keras-mirror: error: argument {demo,launch}: invalid choice: 'dmeo' "
         "(choose from 'demo', 'launch')\n")
 
 
-def test_launch_is_delegated_to_its_own_parser():
-    out = _run("launch", "--help")
+def test_launch_is_delegated_to_its_own_parser(answers):
+    out = answers[("launch", "--help")]
     assert out.returncode == 0
     assert out.stdout.startswith("usage: keras-mirror launch [-h]")
 

@@ -517,6 +517,15 @@ CASES = {
                           mirrored_kwargs={"batch": "per_replica"}),
         ValueError, r"`batch='per_replica'` needs the number of batches.*"
         r"Received: x with 7 batches"),
+    "per_replica_validation_batch": Case(
+        "validation_data", "batches of 4 rows for training batches of 8, "
+        "batch='per_replica'",
+        lambda cpus: _fit(cpus, _ds(X, Y, batch=8).repeat(4),
+                          validation_data=_ds(X, Y, batch=4).repeat(2),
+                          mirrored_kwargs={"batch": "per_replica"}),
+        ValueError, r"`validation_data` must have the per-replica batch "
+        r"size of `x` \(8 rows\).*Received: validation_data with batches "
+        r"of 4 rows"),
     "no_trainable_weights": Case(
         "model", "a model without trainable weights",
         lambda cpus: _mirrored(cpus, keras.Sequential(

@@ -7,7 +7,10 @@ than plain Keras does (a counting `map`, a `.cache()`). So the wrapper's
 train and test functions take the first element of their first call's
 iterator, classify the loss terms on it, and run the step on that same
 element followed by the rest: each element is read once, by the step that
-trains on it.
+trains on it. Where the input's first element was read before the first
+step anyway (`wrapper/_fit_input`: a generator's, a `PyDataset`'s item 0,
+a dataset whose spec says too little), the pass classifies on it there
+(`classify`) and the first call finds nothing left to probe.
 
 For a `tf.data` iterator (what Keras's TensorFlow trainer always passes to
 `fit` and `evaluate`), the first call's elements come from a one-off

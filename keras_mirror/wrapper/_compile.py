@@ -166,17 +166,18 @@ def _build_own_step_loss(model, batch):
         pass
 
 
-def ensure_built(mirrored, x, y=None, sample_weight=None):
+def ensure_built(mirrored, x, y=None, sample_weight=None, first=None):
     """Builds the model, optimizers, loss and metrics before a step.
 
     Building in the first step would split an unbuilt model's first
     batch (which may not divide) and create variables inside replicas.
     Everything is built on one device, as the user's model would be;
-    the variables then move to the strategy (`_homes`).
+    the variables then move to the strategy (`_homes`). The batch comes
+    from the input's spec where it can, else from `first` (`_inputs.First`).
     """
     inner = mirrored._inner
     batch = _inputs.first_batch(x, y, sample_weight,
-                                shapes_only=inner.built)
+                                shapes_only=inner.built, first=first)
     if batch is None:
         if inner.built and all(
                 o.built for o in _homes.optimizers_of(inner)):

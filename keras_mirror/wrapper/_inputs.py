@@ -70,7 +70,8 @@ def _dense_spec(dataset):
     return None
 
 
-def first_batch(x, y=None, sample_weight=None, shapes_only=False):
+def first_batch(x, y=None, sample_weight=None, shapes_only=False,
+                first=None):
     """A small `(x, y, sample_weight)` batch of the input, or None.
 
     Used to build an unbuilt model and the compiled loss and metrics before
@@ -78,31 +79,97 @@ def first_batch(x, y=None, sample_weight=None, shapes_only=False):
     gives a batch of zeros built from its element spec (`batch_from_spec`),
     without reading it; with `shapes_only` (a built model, whose loss and
     metrics build from shapes), a spec with open dimensions is returned as
-    it is (`tf.TensorSpec`s), unread. Only a dataset whose spec leaves
-    shapes open for an unbuilt model, or that holds ragged or sparse
-    leaves, is read: one element.
+    it is (`tf.TensorSpec`s), unread, and so are arrays' shapes. Only a
+    dataset whose spec leaves shapes open for an unbuilt model, or that
+    holds ragged or sparse leaves, is read: its first element, through
+    `first` (a `First` of the input as the user gave it), which reads it
+    at most once for every caller.
     """
+    if first is None and is_generator(x) and x not in _FIRST:
+        return None  # not peeked: reading it here would lose an element
+    first = first if first is not None else First(x)
     if isinstance(x, tf.data.Dataset):
         element = batch_from_spec(x)
         if element is None and shapes_only:
             element = _dense_spec(x)
         if element is None:
-            element = next(iter(x.take(1)))
+            element = first.read()
         return keras.utils.unpack_x_y_sample_weight(element)
-    if isinstance(x, keras.utils.PyDataset):
-        return keras.utils.unpack_x_y_sample_weight(x[0])
-    if is_generator(x) and x in _FIRST:
-        return keras.utils.unpack_x_y_sample_weight(_FIRST[x])
+    if isinstance(x, keras.utils.PyDataset) or is_generator(x):
+        return keras.utils.unpack_x_y_sample_weight(first.read())
     if x is not None and is_array(x):
         return tf.nest.map_structure(
-            lambda t: None if t is None else _slicing.head(t, 1),
+            lambda t: None if t is None else _head(t, shapes_only),
             (x, y, sample_weight))
     return None
 
 
-def first_x(x):
+def _head(t, shapes_only):
+    """One row of an array, or (`shapes_only`) its spec: nothing read."""
+    if shapes_only and isinstance(t, (np.ndarray, tf.Tensor)):
+        return tf.TensorSpec((None,) + tuple(t.shape[1:]),
+                             tf.as_dtype(t.dtype))
+    return _slicing.head(t, 1)
+
+
+_UNREAD = object()
+
+
+def empty_dataset(x):
+    """The error for an input `x` that yields no batch."""
+    return ValueError(
+        "`x` must yield at least one batch, but the dataset is empty. "
+        f"Received: x={x!r}")
+
+
+class First:
+    """The first element of an input, read at most once.
+
+    Whoever needs real rows before the first step (the per-replica
+    capacity of a dataset of dynamic batch size, the build of a model
+    whose input shapes the spec leaves open, the checks of a ragged batch,
+    a `PyDataset`'s build, the loss reduction probe) reads it here, so
+    that the input's first element is read once for all of them. A
+    generator's first element is peeked (it then leads the generator that
+    `adapt_generator` returns), a dataset's is `take(1)`, a `PyDataset`'s
+    is item 0.
+    """
+
+    def __init__(self, x):
+        self.x = x
+        self._element = _UNREAD
+
+    @property
+    def was_read(self):
+        return self._element is not _UNREAD
+
+    def read(self):
+        if self._element is _UNREAD:
+            self._element = self._read()
+        return self._element
+
+    def _read(self):
+        x = self.x
+        if is_generator(x) and x in _FIRST:
+            return _FIRST[x]  # peeked by `adapt_generator`
+        if is_generator(x):
+            element = next(x, None)
+            if element is None:
+                raise ValueError(
+                    "`x` must yield at least one batch, but the generator "
+                    f"is empty. Received: x={x!r}")
+            return element
+        if isinstance(x, keras.utils.PyDataset):
+            return x[0]
+        try:
+            return next(iter(x.take(1)))
+        except (StopIteration, tf.errors.OutOfRangeError):
+            raise empty_dataset(x) from None
+
+
+def first_x(x, first=None):
     """A small batch of inputs `x` for building an unbuilt model."""
-    batch = first_batch(x)
+    batch = first_batch(x, first=first)
     return None if batch is None else batch[0]
 
 
@@ -151,22 +218,36 @@ def group_dataset(dataset, num_replicas):
     def concat(*element):
         element = element if len(element) > 1 else element[0]
         leaves = [t for t in tf.nest.flatten(element) if t is not None]
-        lengths = tf.cast(leaves[0].row_lengths(), tf.int32)
-        _group_check(lengths, num_replicas)
-        return tf.nest.map_structure(
-            lambda t: t.values if isinstance(t, tf.RaggedTensor) else t,
-            element)
+        _group_check(_lengths(leaves[0]), num_replicas)
+        return tf.nest.map_structure(_joined, element)
 
     return ragged.map(concat)
+
+
+def _lengths(t):
+    """Rows of each of the batches `ragged_batch` stacked into `t`."""
+    if isinstance(t, tf.RaggedTensor):
+        return tf.cast(t.row_lengths(), tf.int32)
+    # Batches of one static size (`drop_remainder=True`) stack densely.
+    return tf.fill(tf.shape(t)[:1], tf.shape(t)[1])
+
+
+def _joined(t):
+    if isinstance(t, tf.RaggedTensor):
+        return t.values
+    return tf.reshape(t, tf.concat([[-1], tf.shape(t)[2:]], axis=0))
 
 
 class GroupedPyDataset(keras.utils.PyDataset):
     """A `PyDataset` whose item `i` joins items `N*i ... N*i+N-1`."""
 
-    def __init__(self, dataset, num_replicas):
+    def __init__(self, dataset, num_replicas, first=None):
         super().__init__()
         self._dataset = dataset
         self._n = num_replicas
+        # Item 0 as read before the first step (`First`): handed to the
+        # first read of item 0 instead of reading it again.
+        self._held = first if first is not None and first.was_read else None
         if len(dataset) % num_replicas:
             raise ValueError(
                 "`batch='per_replica'` needs the number of batches to be a "
@@ -177,9 +258,16 @@ class GroupedPyDataset(keras.utils.PyDataset):
         return len(self._dataset) // self._n
 
     def __getitem__(self, index):
-        items = [self._dataset[index * self._n + i] for i in range(self._n)]
+        items = [self._item(index * self._n + i) for i in range(self._n)]
         return tf.nest.map_structure(
             lambda *parts: np.concatenate(parts, axis=0), *items)
+
+
+    def _item(self, index):
+        if index == 0 and self._held is not None:
+            held, self._held = self._held, None
+            return held.read()
+        return self._dataset[index]
 
 
 def is_generator(x):
@@ -188,21 +276,17 @@ def is_generator(x):
         x, (tf.data.Dataset, keras.utils.PyDataset)) and not is_array(x)
 
 
-def adapt_generator(generator, num_replicas, batch_mode):
+def adapt_generator(generator, num_replicas, batch_mode, first=None):
     """(capacity, a generator) for `MirroredModel`'s input.
 
-    Its first element is read ahead (`first_batch` returns it), so that
-    the model can be built from it before the first step. In
-    `"per_replica"` mode it joins `num_replicas` consecutive elements into
-    one global batch; the capacity is the first element's rows, and each
-    group must follow the fill rule (full batches, then the remainder), as
-    `group_dataset`'s.
+    Its first element is read ahead (`first`, a `First` of `generator`),
+    so that the model can be built from it before the first step; the
+    returned generator yields it first. In `"per_replica"` mode it joins
+    `num_replicas` consecutive elements into one global batch; the
+    capacity is the first element's rows, and each group must follow the
+    fill rule (full batches, then the remainder), as `group_dataset`'s.
     """
-    first = next(generator, None)
-    if first is None:
-        raise ValueError(
-            "`x` must yield at least one batch, but the generator is empty. "
-            f"Received: x={generator!r}")
+    first = (first if first is not None else First(generator)).read()
     holder = {}  # the model's input shapes, once `expect_input_shapes`
     items = _same_shapes(first, itertools.chain([first], generator), holder)
     if batch_mode == "global":
@@ -306,20 +390,3 @@ def _join(group, num_replicas, capacity):
             f"{sizes} rows from the generator `x`")
     return tf.nest.map_structure(
         lambda *parts: np.concatenate(parts, axis=0), *group)
-
-
-def capacity_of(dataset):
-    """Rows in the first element of a per-replica dataset.
-
-    Read from the element spec when the batch size is static; otherwise
-    from the dataset's first element.
-    """
-    if isinstance(dataset, keras.utils.PyDataset):
-        return num_rows(keras.utils.unpack_x_y_sample_weight(dataset[0])[0])
-    spec = keras.utils.unpack_x_y_sample_weight(dataset.element_spec)[0]
-    rows = tf.nest.flatten(spec)[0].shape[:1].as_list()
-    if rows and rows[0] is not None:  # batched with drop_remainder=True
-        return rows[0]
-    element = next(iter(dataset.take(1)))
-    x = keras.utils.unpack_x_y_sample_weight(element)[0]
-    return int(tf.shape(tf.nest.flatten(x)[0])[0])

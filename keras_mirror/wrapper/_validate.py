@@ -84,11 +84,7 @@ def _check_dataset(x, steps_per_epoch, batch_mode, num_replicas):
         )
 
 
-def empty_dataset(x):
-    """The error for an input `x` that yields no batch."""
-    return ValueError(
-        "`x` must yield at least one batch, but the dataset is empty. "
-        f"Received: x={x!r}")
+empty_dataset = _inputs.empty_dataset
 
 
 def _check_groups(batches, num_replicas):
@@ -304,17 +300,18 @@ def check_predict_inputs(x, batch_size):
 
 
 def check_inputs(mirrored, x, y=None, sample_weight=None, name="x",
-                 batch_size=None):
+                 batch_size=None, first=None):
     """Validates one input (fit's, evaluate's, `*_on_batch`'s, or
     `validation_data`) before any step: values, rows, targets and the
-    model's input shape; for a dataset or generator, its first batch."""
+    model's input shape; for a dataset or generator, its first batch
+    (read only when its spec says too little, through `first`)."""
     _positive_int("batch_size", batch_size)
     _targets.check_sample_weight_type(sample_weight)
     _check_values("x", x)
     _check_values("y", y)
     batch = None
     if isinstance(x, tf.data.Dataset) or _inputs.is_generator(x):
-        batch = _inputs.first_batch(x, shapes_only=True)
+        batch = _inputs.first_batch(x, shapes_only=True, first=first)
     elif _inputs.is_array(x):
         _check_lengths(x, y, sample_weight)
         batch = (x, y, sample_weight)
@@ -330,19 +327,21 @@ def check_inputs(mirrored, x, y=None, sample_weight=None, name="x",
         _inputs.expect_input_shapes(x, _expected_inputs(model))
 
 
-def check_more_fit_inputs(mirrored, x, validation_data, kwargs):
-    """`fit`'s checks that need the adapted input (called after building):
-    a generator's or dataset's first batch, `class_weight`, and
-    `validation_data`, which Keras would otherwise reach only after a whole
-    epoch of training."""
+def check_more_fit_inputs(mirrored, x, validation_data, kwargs, first=None,
+                          validation_first=None):
+    """`fit`'s checks that need the adapted input: a generator's or
+    dataset's first batch (`first`, read at most once), `class_weight`,
+    and `validation_data`, which Keras would otherwise reach only after a
+    whole epoch of training."""
     _check_class_weight(kwargs.get("class_weight"))
     if isinstance(x, tf.data.Dataset) or _inputs.is_generator(x):
-        check_inputs(mirrored, x)
+        check_inputs(mirrored, x, first=first)
     if validation_data is None:
         return
     if isinstance(validation_data, (tf.data.Dataset, keras.utils.PyDataset)):
         if isinstance(validation_data, tf.data.Dataset):
-            check_inputs(mirrored, validation_data, name="validation_data")
+            check_inputs(mirrored, validation_data, name="validation_data",
+                         first=validation_first)
         return
     if not isinstance(validation_data, (tuple, list)) or \
             len(validation_data) not in (2, 3):

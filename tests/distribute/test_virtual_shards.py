@@ -8,12 +8,13 @@ without keras-mirror (NumPy: the records of each shard in interleave order,
 global batch `k` = rows `2k, 2k + 1` of every shard in shard order) and
 trained with plain Keras; one process, 2 workers (with an
 `input_fn(input_context)`) and 3 workers, and an elastic run that shrinks
-from 3 to 2 workers, all end within 1e-5 of it, and each worker parses only
-its files' records.
+from 3 to 2 workers (`--min-workers 2`: the launcher's elastic test too),
+all end within 1e-5 of it, and each worker parses only its files' records.
 
 Also the tests of `keras_mirror/distribute/_pipeline_graph.py`.
 """
 
+import functools
 import importlib.util
 import json
 import re
@@ -70,7 +71,10 @@ def reference_batches():
             for k in range(steps)]
 
 
+@functools.cache
 def reference_weights():
+    """Plain Keras on `reference_batches()`: (weights, steps), computed once.
+    """
     model = vs_train.model()
     model.compile(optimizer=vs_train.optimizer(), loss="mse")
     batches = reference_batches()
@@ -184,6 +188,11 @@ def test_workers_read_their_shares_and_train_like_one_process(
 @pytest.mark.timeout(300)
 def test_elastic_three_to_two_workers_resumes_every_shard_exactly(
         data_dir, tmp_path, capsys):
+    # Also the launcher's elastic run (once tests/launch/test_elastic.py): worker 2
+    # is SIGKILLed after step 4 on every attempt (a host lost for good);
+    # attempt 1 resumes from the step backup and loses worker 2 again;
+    # attempt 2 runs on 2 workers, resumes and finishes on the weights of
+    # uninterrupted training, no step lost or repeated.
     backup = tmp_path / "backup"
     code = _launch(data_dir, tmp_path, 3, "--backup", str(backup),
                    "--kill-at-step", "4", "--kill-worker", "2",
@@ -191,14 +200,22 @@ def test_elastic_three_to_two_workers_resumes_every_shard_exactly(
                    timeout=280)
     out, err = capsys.readouterr()
     assert code == 0, out[-3000:] + err[-5000:]
+    assert "[worker 2] killing myself after step 4" in out
+    assert "[worker 2] killing myself after step 5" in out
+    assert ("worker 2 failed in two attempts in a row; continuing with 2 "
+            "worker(s) (--min-workers 2).") in err
     assert "StepBackup resumes at epoch 0, step 5 (optimizer step 5)" in out
     infos = [json.loads((tmp_path / f"info_{i}.json").read_text())
              for i in (0, 1)]
     assert [i["num_workers"] for i in infos] == [2, 2]
+    # Attempt 2, or later if a port was taken by another process meanwhile
+    # (the one restart of margin).
+    assert infos[0]["attempt"] == infos[1]["attempt"] >= 2
     # After the shrink: shards 0-2 and 3-5 of the same 6.
     assert re.search(r"\[worker 1\] keras-mirror: worker 1 read 46 of 90 "
                      r"records \(virtual shards 3-5 of 6", err)
     gap = _assert_workers_match_reference(tmp_path, 2)
+    assert max_diff(load(tmp_path, 0)[0], load(tmp_path, 1)[0]) == 0.0
     print(f"3 -> 3 -> 2 workers: max |w - w_ref| = {gap:.3g}")
 
 

@@ -21,9 +21,11 @@ sys.path.insert(0, os.path.join(ROOT, "benchmarks"))
 
 import netns  # noqa: E402
 
-# Starts worker processes on ports (or namespaces): one xdist worker runs
-# every such test, one after another (`--dist loadgroup`, setup.cfg).
-pytestmark = pytest.mark.xdist_group("processes")
+# Starts worker processes in network namespaces: one xdist worker runs the
+# "network" group (this and the virtual-shard runs) one test after another
+# (`--dist loadgroup`, setup.cfg), beside the "workers" and "processes"
+# groups, so that three process chains of similar length run side by side.
+pytestmark = pytest.mark.xdist_group("network")
 
 SCRIPT = os.path.join(ROOT, "benchmarks", "bench_network.py")
 TIMEOUT = 240

@@ -6,6 +6,7 @@ single-device weights. When TensorFlow initialised its devices before
 `import keras_mirror`, the error names the line to move.
 """
 
+import functools
 import json
 import subprocess
 import sys
@@ -19,14 +20,17 @@ from support.multi_worker import no_leftover_processes  # noqa: F401
 from keras_mirror import launch as launch_lib
 from keras_mirror.launch import _ports
 
-# Starts worker processes on ports (or namespaces): one xdist worker runs
-# every such test, one after another (`--dist loadgroup`, setup.cfg).
-pytestmark = pytest.mark.xdist_group("processes")
+# Starts worker processes on ports: one xdist worker runs the "workers"
+# group (multi-worker training runs) one test after another (`--dist
+# loadgroup`, setup.cfg), beside the "network" and "processes" groups.
+pytestmark = pytest.mark.xdist_group("workers")
 
 WORKERS = helpers.WORKERS
 
 
+@functools.cache
 def single_device_weights(epochs=2):
+    """Plain Keras on one device, computed once: the reference weights."""
     keras.utils.set_random_seed(0)
     model = keras.Sequential([
         keras.Input((6,)),

@@ -9,6 +9,7 @@ from support.helpers import max_diff
 from support.helpers import mlp
 
 import keras_mirror
+from keras_mirror.wrapper import _fit_input
 from keras_mirror.wrapper import _inputs
 
 
@@ -54,7 +55,7 @@ def test_capacity_from_a_static_batch_size():
     x, y, _ = data(24)
     dataset, reads = _counting(tf.data.Dataset.from_tensor_slices(
         (x, y)).batch(6, drop_remainder=True))
-    assert _inputs.capacity_of(dataset) == 6
+    assert _fit_input.capacity_of(dataset) == 6
     assert reads == []
 
 

@@ -1,19 +1,22 @@
 """A `MirroredModel` worker for tests/distribute/test_multi_worker.py and
 tests/callbacks/test_step_backup.py (started by `keras_mirror.launch.launch`).
 
-usage: mw_train.py OUT_DIR [--epochs E] [--backup DIR] [--kill-at-step S]
-                   [--local-cpus N] [--model dense|embedding]
+usage: mw_train.py OUT_DIR [--epochs E[,E...]] [--backup DIR]
+                   [--kill-at-step S] [--local-cpus N]
+                   [--model KIND[,KIND...]]
 
 Trains `model(kind)` on `data(kind)` (45 rows, global batch 8, no
 shuffling; `embedding` has sparse `IndexedSlices` gradients, which the
 workers all-gather instead of summing) and
 writes `OUT_DIR/weights_<task index>.npz` (the final weights, plus
-`iterations`) and `OUT_DIR/info_<task index>.json`. With `--kill-at-step S`
-the worker SIGKILLs itself after global step S, on launcher attempt 0 only
-(`KERAS_MIRROR_RESTART`), or on every attempt with `--kill-always` (once
-past step S), when its task index is `--kill-worker` (default 1). With
-`--sigterm-at-step S`, worker 1 sends itself SIGTERM (a preemption) after
-step S on attempt 0.
+`iterations`) and `OUT_DIR/info_<task index>.json`. Several kinds
+(`--model dense,conv --epochs 2,1`) train one after another in the same
+process (one start-up, one strategy), each into `OUT_DIR/<kind>/`. With
+`--kill-at-step S` the worker SIGKILLs itself after global step S, on
+launcher attempt 0 only (`KERAS_MIRROR_RESTART`), or on every attempt with
+`--kill-always` (once past step S), when its task index is `--kill-worker`
+(default 1). With `--sigterm-at-step S`, worker 1 sends itself SIGTERM (a
+preemption) after step S on attempt 0.
 """
 
 import argparse
@@ -92,7 +95,7 @@ def data(kind="dense"):
 def main():
     parser = argparse.ArgumentParser()
     parser.add_argument("out_dir")
-    parser.add_argument("--epochs", type=int, default=2)
+    parser.add_argument("--epochs", default="2")
     parser.add_argument("--backup")
     parser.add_argument("--kill-at-step", type=int)
     parser.add_argument("--sigterm-at-step", type=int)
@@ -101,16 +104,34 @@ def main():
     parser.add_argument("--kill-worker", type=int, default=1)
     parser.add_argument("--kill-always", action="store_true")
     parser.add_argument("--local-cpus", type=int, default=2)
-    parser.add_argument("--model", choices=KINDS, default="dense")
+    parser.add_argument("--model", default="dense")
     args = parser.parse_args()
     cpus = keras_mirror.logical_cpus(args.local_cpus)
+    kinds = args.model.split(",")
+    epochs = [int(e) for e in args.epochs.split(",")]
+    epochs = epochs * len(kinds) if len(epochs) == 1 else epochs
+    assert set(kinds) <= set(KINDS) and len(epochs) == len(kinds), args
+    out = pathlib.Path(args.out_dir)
+    for kind, kind_epochs in zip(kinds, epochs):
+        # Several models, one after another on the process's one strategy:
+        # each writes into OUT_DIR/<kind>/.
+        kind_out = out if len(kinds) == 1 else out / kind
+        kind_out.mkdir(exist_ok=True)
+        train(args, cpus, kind, kind_epochs, kind_out)
+    task = keras_mirror.cluster.cluster_from_env()
+    if task is not None:
+        import _finish  # beside this script
 
+        _finish.exit_together(out, task.task_index, task.num_workers)
+
+
+def train(args, cpus, kind, epochs, out):
+    """Trains `model(kind)` for `epochs`; writes its weights and info."""
     import keras
     import numpy as np
 
-    out = pathlib.Path(args.out_dir)
     attempt = int(os.environ.get("KERAS_MIRROR_RESTART", "0"))
-    mirrored = keras_mirror.MirroredModel(model(args.model), devices=cpus,
+    mirrored = keras_mirror.MirroredModel(model(kind), devices=cpus,
                                           timeout_seconds=60,
                                           worker_input=args.worker_input)
     task = keras_mirror.cluster.cluster_from_env()
@@ -139,8 +160,8 @@ def main():
         callbacks.append(StepBackup(args.backup,
                                     every_n_steps=args.backup_every))
     callbacks.append(Probe())
-    x, y = data(args.model)
-    history = mirrored.fit(x, y, batch_size=BATCH, epochs=args.epochs,
+    x, y = data(kind)
+    history = mirrored.fit(x, y, batch_size=BATCH, epochs=epochs,
                            shuffle=False, verbose=0, callbacks=callbacks)
     weights = mirrored.model.get_weights()
     iterations = int(mirrored.optimizer.iterations.numpy())

@@ -180,6 +180,9 @@ def main():
         "attempt": attempt, "num_workers": mirrored.num_workers,
         "records_parsed": int(counter.numpy()), "iterations": iterations}))
     print(f"done: iterations={iterations}", flush=True)
+    import _finish  # beside this script
+
+    _finish.exit_together(out, index, mirrored.num_workers)
 
 
 if __name__ == "__main__":
