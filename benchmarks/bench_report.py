@@ -107,6 +107,8 @@ def summarise(configs, trials):
                     t["rss_after_import_mb"] for t in ok
                 ),
                 params=ok[0]["params"],
+                cpu_ms_per_step=statistics.median(
+                    t.get("cpu_ms_per_step", 0.0) for t in ok),
             )
         else:
             row["error"] = runs[-1]["error"] if runs else "not run"
@@ -118,6 +120,10 @@ def ratios(rows):
     """MirroredModel / native and / single-device, and native / single."""
     ms = {
         (r["model"], r["variant"], r["replicas"]): r.get("median_step_ms")
+        for r in rows
+    }
+    cpu = {
+        (r["model"], r["variant"], r["replicas"]): r.get("cpu_ms_per_step")
         for r in rows
     }
     pairs = sorted(
@@ -141,6 +147,11 @@ def ratios(rows):
             "native_over_single": _div(native, single),
             "baseline_over_single": _div(baseline, single),
             "mirrored_over_baseline": _div(mirrored, baseline),
+            "cpu_mirrored_over_single": _div(cpu.get((m, "mirrored", n)),
+                                             cpu.get((m, "single", 1))),
+            "cpu_baseline_over_single": _div(
+                cpu.get((m, "mirrored_baseline", n)),
+                cpu.get((m, "single", 1))),
         })
     return out
 
@@ -196,21 +207,22 @@ def _md_results(report):
     lines = [
         "",
         "| model | variant | N | ms/step (median) | trial range | "
-        "first step s | setup s | peak RSS MiB |",
-        "|---|---|---:|---:|---:|---:|---:|---:|",
+        "CPU ms/step | first step s | setup s | peak RSS MiB |",
+        "|---|---|---:|---:|---:|---:|---:|---:|---:|",
     ]
     for r in report["results"]:
         variant = r["variant"]
         if r.get("execution") and variant in ("mirrored",
                                               "mirrored_baseline"):
-            variant = f"mirrored ({r['execution']})"
+            variant = f"{variant} ({r['execution']})"
         head = f"| {r['model']} | {variant} | {r['replicas']} |"
         if "median_step_ms" not in r:
-            lines.append(f"{head} failed: {r['error'][:60]} | | | | |")
+            lines.append(f"{head} failed: {r['error'][:60]} | | | | | |")
             continue
         lines.append(
             f"{head} {r['median_step_ms']:.2f} | "
             f"{r['min_trial_step_ms']:.2f}-{r['max_trial_step_ms']:.2f} | "
+            f"{_fmt(r.get('cpu_ms_per_step'), '.2f')} | "
             f"{r['first_step_s']:.2f} | {r['setup_s']:.2f} | "
             f"{r['peak_rss_mb']:.0f} |"
         )
@@ -219,14 +231,15 @@ def _md_results(report):
 
 def _md_ratios(report):
     baseline = any(q.get("baseline_over_single") for q in report["ratios"])
-    extra = (" before (baseline) / single | after / before |"
+    extra = (" before (baseline) / single | after / before | CPU time: "
+             "MirroredModel / single | CPU time: before / single |"
              if baseline else "")
     lines = [
         "",
         "| model | N | MirroredModel / native | MirroredModel / single | "
         "strategy path / native | strategy path / single | "
         "native / single |" + extra,
-        "|---|---:|---:|---:|---:|---:|---:|" + ("---:|---:|" if baseline
+        "|---|---:|---:|---:|---:|---:|---:|" + ("---:|" * 4 if baseline
                                                  else ""),
     ]
     for q in report["ratios"]:
@@ -235,7 +248,9 @@ def _md_ratios(report):
                  q["native_over_single"]]
         if baseline:
             cells += [q.get("baseline_over_single"),
-                      q.get("mirrored_over_baseline")]
+                      q.get("mirrored_over_baseline"),
+                      q.get("cpu_mirrored_over_single"),
+                      q.get("cpu_baseline_over_single")]
         lines.append(f"| {q['model']} | {q['replicas']} | " + " | ".join(
             _fmt(c, ".2f") for c in cells) + " |")
     if not report["ratios"]:

@@ -89,9 +89,11 @@ def _make_timer(keras):
         def __init__(self):
             super().__init__()
             self.batch_ends = []
+            self.cpu_ends = []  # process CPU time, every thread
 
         def on_train_batch_end(self, batch, logs=None):
             self.batch_ends.append(time.perf_counter())
+            self.cpu_ends.append(time.process_time())
 
     return StepTimer()
 
@@ -174,9 +176,12 @@ def run_trial(cfg):
     step_ms = [
         1000.0 * (ends[i] - ends[i - 1]) for i in range(cfg["warmup"], steps)
     ]
+    cpu = timer.cpu_ends  # work done per step, less sensitive to load
+    cpu_ms = 1000.0 * (cpu[-1] - cpu[cfg["warmup"] - 1]) / cfg["steps"]
     return {
         "step_ms": step_ms,
         "median_step_ms": statistics.median(step_ms),
+        "cpu_ms_per_step": cpu_ms,
         "first_step_s": ends[0] - t_fit,
         "setup_s": t_ready - t_import,
         "import_s": t_import - _START,

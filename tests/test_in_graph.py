@@ -72,3 +72,21 @@ def test_each_replica_sends_its_statistics_as_one_tensor(graphs):
     counts = _to_home(four, "CPU:0")
     assert sorted(counts) == [f"/device:CPU:{r}" for r in (1, 2, 3)]
     assert set(counts.values()) == {variables + EXTRA_TENSORS_TO_HOME}
+
+
+def test_stand_in_rows_count_for_nothing_in_the_statistics(cpus):
+    """2 rows on 4 replicas: replicas 2 and 3 run a stand-in row each."""
+    model = keras.Sequential([keras.Input((3,)), keras.layers.Dense(2)])
+    mirrored = keras_mirror.MirroredModel(model, devices=cpus,
+                                          execution="in_graph")
+    mirrored.compile(optimizer="sgd", loss="mse")
+    x = np.arange(6, dtype="float32").reshape(2, 3)
+    y = np.ones((2, 2), "float32")
+    weights = np.array([0.5, 2.0], "float32")
+    mirrored.fit(x, y, sample_weight=weights, batch_size=2, verbose=0)
+    logs = mirrored.last_replica_logs
+    np.testing.assert_array_equal(logs["samples"], [1, 1, 0, 0])
+    np.testing.assert_array_equal(logs["sample_weight"], [0.5, 2.0, 0, 0])
+    np.testing.assert_array_equal(logs["loss"][2:], [0, 0])
+    np.testing.assert_array_equal(logs["grad_norm"][2:], [0, 0])
+    assert mirrored.predict(x, batch_size=2, verbose=0).shape == (2, 2)
