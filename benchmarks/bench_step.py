@@ -410,8 +410,11 @@ def _run_subprocess(cfg, timeout):
         }
 
 
-def _run_all(args, configs):
-    """Runs `args.repeats` rounds over `configs`, rotating the order."""
+def _run_all(args, configs, after_round=None):
+    """Runs `args.repeats` rounds over `configs`, rotating the order.
+
+    `after_round(trials)` is called after each round (the report so far).
+    """
     trials = {bench_report.key(c): [] for c in configs}
     total = len(configs) * args.repeats
     done = 0
@@ -425,9 +428,13 @@ def _run_all(args, configs):
             result = _run_subprocess(cfg, args.trial_timeout)
             trials[key].append(result)
             if result["ok"]:
-                print(f"{result['median_step_ms']:.2f} ms/step", flush=True)
+                print(f"{result['median_step_ms']:.2f} ms/step, "
+                      f"{result['cpu_ms_per_step']:.2f} CPU ms/step",
+                      flush=True)
             else:
                 print(f"FAILED ({result['error']})", flush=True)
+        if after_round is not None and r + 1 < args.repeats:
+            after_round(trials)
     return trials
 
 def main(argv=None):
@@ -450,10 +457,23 @@ def main(argv=None):
         return 2
     print(f"Devices: {devices}; {len(configs)} configs x {args.repeats} "
           f"repeats, {args.steps} timed steps each", flush=True)
-    trials = _run_all(args, configs)
-    rows = bench_report.summarise(configs, trials)
+    out = args.out or bench_report.default_out()
+
+    def report(trials):
+        """Writes the report of `trials` (each round's, then the last)."""
+        rows = bench_report.summarise(configs, trials)
+        bench_report.write(_report(args, argv, machine, devices, num_cpus,
+                                   loadavg_before, notes, rows, trials), out)
+        return rows
+
+    rows = report(_run_all(args, configs, after_round=report))
+    return 1 if any(r["trials_failed"] for r in rows) else 0
+
+
+def _report(args, argv, machine, devices, num_cpus, loadavg_before, notes,
+            rows, trials):
     settings = {k: getattr(args, k) for k in _SETTINGS}
-    report = {
+    return {
         "schema_version": SCHEMA_VERSION,
         "date": datetime.datetime.now().isoformat(timespec="seconds"),
         "command": " ".join(["python", "benchmarks/bench_step.py", *argv]),
@@ -469,8 +489,6 @@ def main(argv=None):
         "ratios": bench_report.ratios(rows),
         "trials": trials,
     }
-    bench_report.write(report, args.out or bench_report.default_out())
-    return 1 if any(r["trials_failed"] for r in rows) else 0
 
 
 
