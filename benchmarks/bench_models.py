@@ -24,7 +24,7 @@ SHAPES = {"mlp": (64,), "convnet": (28, 28, 1), "convnet_bn": (28, 28, 1),
           "gan": (6,)}
 
 
-def _compile_keras(keras):
+def compile_keras(keras):
     def compile(model):
         model.compile(
             optimizer=keras.optimizers.Adam(1e-3),
@@ -83,7 +83,7 @@ def build(keras, name):
         raise ValueError(
             f"`model` must be one of {MODELS}. Received: model={name!r}")
     model = keras.Sequential(layers, name=name)
-    return model, _compile_keras(keras), SHAPES[name]
+    return model, compile_keras(keras), SHAPES[name]
 
 
 def data(name, shape, num_samples, seed=0):

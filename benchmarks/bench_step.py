@@ -77,6 +77,20 @@ def _setup_tensorflow(cfg):
     return tf, keras
 
 
+def _build_model(keras, name):
+    """`(uncompiled model, row shape)` (`bench_overhead`, `bench_xla`)."""
+    model, _, shape = bench_models.build(keras, name)
+    return model, shape
+
+
+def _compile(keras, model):
+    bench_models.compile_keras(keras)(model)
+
+
+def _make_data(shape, num_samples, seed=0):
+    return bench_models.data(None, shape, num_samples, seed)
+
+
 def _make_timer(keras):
     class StepTimer(keras.callbacks.Callback):
         """Records `time.perf_counter()` at the end of every step.
