@@ -14,7 +14,7 @@ import subprocess
 _HERE = os.path.dirname(os.path.abspath(__file__))
 _ROOT = os.path.dirname(_HERE)
 _RESULTS = os.path.join(_HERE, "results")
-_MODELS = ("mlp", "convnet")  # display order
+_MODELS = ("mlp", "convnet", "convnet_bn", "gan")  # display order
 
 
 def describe_machine(tf, keras, gpus):
@@ -70,10 +70,10 @@ def cpu_model():
     return platform.processor() or platform.machine()
 
 
-def git_commit():
+def git_commit(root=_ROOT):
     try:
         out = subprocess.run(
-            ["git", "describe", "--always", "--dirty"], cwd=_ROOT,
+            ["git", "describe", "--always", "--dirty"], cwd=root,
             capture_output=True, text=True, timeout=10,
         )
         return out.stdout.strip() or None
@@ -107,6 +107,8 @@ def summarise(configs, trials):
                     t["rss_after_import_mb"] for t in ok
                 ),
                 params=ok[0]["params"],
+                cpu_ms_per_step=statistics.median(
+                    t.get("cpu_ms_per_step", 0.0) for t in ok),
             )
         else:
             row["error"] = runs[-1]["error"] if runs else "not run"
@@ -120,9 +122,13 @@ def ratios(rows):
         (r["model"], r["variant"], r["replicas"]): r.get("median_step_ms")
         for r in rows
     }
+    cpu = {
+        (r["model"], r["variant"], r["replicas"]): r.get("cpu_ms_per_step")
+        for r in rows
+    }
     pairs = sorted(
         {(r["model"], r["replicas"]) for r in rows if r["variant"] != "single"},
-        key=lambda p: (_MODELS.index(p[0]), p[1]),
+        key=lambda p: (_order(p[0]), p[1]),
     )
     out = []
     for m, n in pairs:
@@ -130,6 +136,7 @@ def ratios(rows):
         strategy = ms.get((m, "mirrored_strategy", n))
         native = ms.get((m, "native", n))
         single = ms.get((m, "single", 1))
+        baseline = ms.get((m, "mirrored_baseline", n))
         out.append({
             "model": m,
             "replicas": n,
@@ -138,8 +145,19 @@ def ratios(rows):
             "strategy_over_native": _div(strategy, native),
             "strategy_over_single": _div(strategy, single),
             "native_over_single": _div(native, single),
+            "baseline_over_single": _div(baseline, single),
+            "mirrored_over_baseline": _div(mirrored, baseline),
+            "cpu_mirrored_over_single": _div(cpu.get((m, "mirrored", n)),
+                                             cpu.get((m, "single", 1))),
+            "cpu_baseline_over_single": _div(
+                cpu.get((m, "mirrored_baseline", n)),
+                cpu.get((m, "single", 1))),
         })
     return out
+
+
+def _order(model):
+    return _MODELS.index(model) if model in _MODELS else len(_MODELS)
 
 
 def _div(a, b):
@@ -180,27 +198,31 @@ def _md_header(report):
         f"trial(s) per config, one fresh process per trial; "
         f"load average before/after: {report['loadavg_before']} / "
         f"{report['loadavg_after']}",
-    ]
+    ] + ([f"- Baseline (`mirrored_baseline`, before): "
+          f"`{s['baseline']}` at {s.get('baseline_commit')}"]
+         if s.get("baseline") else [])
 
 
 def _md_results(report):
     lines = [
         "",
         "| model | variant | N | ms/step (median) | trial range | "
-        "first step s | setup s | peak RSS MiB |",
-        "|---|---|---:|---:|---:|---:|---:|---:|",
+        "CPU ms/step | first step s | setup s | peak RSS MiB |",
+        "|---|---|---:|---:|---:|---:|---:|---:|---:|",
     ]
     for r in report["results"]:
         variant = r["variant"]
-        if r.get("execution") and variant == "mirrored":
-            variant = f"mirrored ({r['execution']})"
+        if r.get("execution") and variant in ("mirrored",
+                                              "mirrored_baseline"):
+            variant = f"{variant} ({r['execution']})"
         head = f"| {r['model']} | {variant} | {r['replicas']} |"
         if "median_step_ms" not in r:
-            lines.append(f"{head} failed: {r['error'][:60]} | | | | |")
+            lines.append(f"{head} failed: {r['error'][:60]} | | | | | |")
             continue
         lines.append(
             f"{head} {r['median_step_ms']:.2f} | "
             f"{r['min_trial_step_ms']:.2f}-{r['max_trial_step_ms']:.2f} | "
+            f"{_fmt(r.get('cpu_ms_per_step'), '.2f')} | "
             f"{r['first_step_s']:.2f} | {r['setup_s']:.2f} | "
             f"{r['peak_rss_mb']:.0f} |"
         )
@@ -208,22 +230,29 @@ def _md_results(report):
 
 
 def _md_ratios(report):
+    baseline = any(q.get("baseline_over_single") for q in report["ratios"])
+    extra = (" before (baseline) / single | after / before | CPU time: "
+             "MirroredModel / single | CPU time: before / single |"
+             if baseline else "")
     lines = [
         "",
         "| model | N | MirroredModel / native | MirroredModel / single | "
         "strategy path / native | strategy path / single | "
-        "native / single |",
-        "|---|---:|---:|---:|---:|---:|---:|",
+        "native / single |" + extra,
+        "|---|---:|---:|---:|---:|---:|---:|" + ("---:|" * 4 if baseline
+                                                 else ""),
     ]
     for q in report["ratios"]:
-        lines.append(
-            f"| {q['model']} | {q['replicas']} | "
-            f"{_fmt(q['mirrored_over_native'], '.2f')} | "
-            f"{_fmt(q['mirrored_over_single'], '.2f')} | "
-            f"{_fmt(q.get('strategy_over_native'), '.2f')} | "
-            f"{_fmt(q.get('strategy_over_single'), '.2f')} | "
-            f"{_fmt(q['native_over_single'], '.2f')} |"
-        )
+        cells = [q["mirrored_over_native"], q["mirrored_over_single"],
+                 q.get("strategy_over_native"), q.get("strategy_over_single"),
+                 q["native_over_single"]]
+        if baseline:
+            cells += [q.get("baseline_over_single"),
+                      q.get("mirrored_over_baseline"),
+                      q.get("cpu_mirrored_over_single"),
+                      q.get("cpu_baseline_over_single")]
+        lines.append(f"| {q['model']} | {q['replicas']} | " + " | ".join(
+            _fmt(c, ".2f") for c in cells) + " |")
     if not report["ratios"]:
         lines.append("| - | - | - | - | - | - | - |")
     return lines

@@ -36,18 +36,20 @@ import tempfile
 import time
 import traceback
 
+import bench_models
 import bench_report
 
 _START = time.perf_counter()
 _HERE = os.path.dirname(os.path.abspath(__file__))
 _ROOT = os.path.dirname(_HERE)
 
-VARIANTS = ("single", "native", "mirrored", "mirrored_strategy")
-MODELS = ("mlp", "convnet")
-SCHEMA_VERSION = 1
+VARIANTS = ("single", "native", "mirrored", "mirrored_strategy",
+            "mirrored_baseline")
+MODELS = bench_models.MODELS
+SCHEMA_VERSION = 2
 _SETTINGS = (
     "quick", "batch_size", "steps", "warmup", "repeats", "models",
-    "variants", "seed", "native_all_reduce",
+    "variants", "seed", "native_all_reduce", "baseline",
 )
 
 
@@ -60,8 +62,9 @@ def _setup_tensorflow(cfg):
     """Imports TF, splitting the CPU if `cfg` uses CPUs; returns tf, keras."""
     os.environ.setdefault("TF_CPP_MIN_LOG_LEVEL", "2")
     os.environ.setdefault("KERAS_BACKEND", "tensorflow")
-    if _ROOT not in sys.path:
-        sys.path.insert(0, _ROOT)
+    root = cfg.get("root") or _ROOT  # `--baseline`: another checkout
+    if root not in sys.path:
+        sys.path.insert(0, root)
     import tensorflow as tf
 
     if any("cpu" in d.lower() for d in cfg["devices"]):
@@ -75,47 +78,17 @@ def _setup_tensorflow(cfg):
 
 
 def _build_model(keras, name):
-    """Returns an uncompiled model and its input shape (without batch)."""
-    if name == "mlp":
-        shape = (64,)
-        layers = [
-            keras.layers.Dense(256, activation="relu"),
-            keras.layers.Dense(256, activation="relu"),
-            keras.layers.Dense(10),
-        ]
-    elif name == "convnet":
-        shape = (28, 28, 1)
-        layers = [
-            keras.layers.Conv2D(16, 3, activation="relu"),
-            keras.layers.MaxPooling2D(2),
-            keras.layers.Conv2D(32, 3, activation="relu"),
-            keras.layers.GlobalAveragePooling2D(),
-            keras.layers.Dense(10),
-        ]
-    else:
-        raise ValueError(
-            f"`model` must be one of {MODELS}. Received: model={name!r}"
-        )
-    model = keras.Sequential([keras.Input(shape), *layers], name=name)
+    """`(uncompiled model, row shape)` (`bench_overhead`, `bench_xla`)."""
+    model, _, shape = bench_models.build(keras, name)
     return model, shape
 
 
-def _make_data(shape, num_samples, seed=0):
-    import numpy as np
-
-    rng = np.random.default_rng(seed)
-    x = rng.standard_normal((num_samples, *shape), dtype=np.float32)
-    y = rng.integers(0, 10, size=(num_samples,)).astype("int32")
-    return x, y
-
-
 def _compile(keras, model):
-    model.compile(
-        optimizer=keras.optimizers.Adam(1e-3),
-        loss=keras.losses.SparseCategoricalCrossentropy(from_logits=True),
-        steps_per_execution=1,
-        jit_compile=False,
-    )
+    bench_models.compile_keras(keras)(model)
+
+
+def _make_data(shape, num_samples, seed=0):
+    return bench_models.data(None, shape, num_samples, seed)
 
 
 def _make_timer(keras):
@@ -130,9 +103,11 @@ def _make_timer(keras):
         def __init__(self):
             super().__init__()
             self.batch_ends = []
+            self.cpu_ends = []  # process CPU time, every thread
 
         def on_train_batch_end(self, batch, logs=None):
             self.batch_ends.append(time.perf_counter())
+            self.cpu_ends.append(time.process_time())
 
     return StepTimer()
 
@@ -140,10 +115,11 @@ def _make_timer(keras):
 def _prepare(tf, keras, cfg, devices):
     """Builds and compiles the configured variant; returns the model."""
     variant = cfg["variant"]
+    name = cfg["model"]
     if variant == "single":
         with tf.device(devices[0]):
-            model, _ = _build_model(keras, cfg["model"])
-            _compile(keras, model)
+            model, compile, _ = bench_models.build(keras, name)
+            compile(model)
         return model
     if variant == "native":
         ops = None  # TensorFlow's own choice, as a stock user gets it
@@ -153,17 +129,21 @@ def _prepare(tf, keras, cfg, devices):
             devices=devices, cross_device_ops=ops
         )
         with strategy.scope():
-            model, _ = _build_model(keras, cfg["model"])
-            _compile(keras, model)
+            model, compile, _ = bench_models.build(keras, name)
+            compile(model)
         return model
-    if variant in ("mirrored", "mirrored_strategy"):
+    if variant.startswith("mirrored"):
         import keras_mirror
 
-        model, _ = _build_model(keras, cfg["model"])
+        model, compile, _ = bench_models.build(keras, name)
+        own_step = name in bench_models.OWN_STEP
+        if own_step:
+            compile(model)
         execution = "strategy" if variant == "mirrored_strategy" else "auto"
         mirrored = keras_mirror.MirroredModel(model, devices=devices,
                                               execution=execution)
-        _compile(keras, mirrored)
+        if not own_step:
+            compile(mirrored)
         return mirrored
     raise ValueError(
         f"`variant` must be one of {VARIANTS}. Received: variant={variant!r}"
@@ -193,8 +173,9 @@ def run_trial(cfg):
     model = _prepare(tf, keras, cfg, devices)
     t_ready = time.perf_counter()
     batch, steps = cfg["batch_size"], cfg["warmup"] + cfg["steps"]
-    shape = (64,) if cfg["model"] == "mlp" else (28, 28, 1)
-    x, y = _make_data(shape, batch * steps, seed=cfg["seed"])
+    shape = bench_models.SHAPES[cfg["model"]]
+    x, y = bench_models.data(cfg["model"], shape, batch * steps,
+                             seed=cfg["seed"])
     timer = _make_timer(keras)
     fit_kwargs = dict(batch_size=batch, epochs=1, shuffle=False, verbose=0)
     t_fit = time.perf_counter()
@@ -209,9 +190,12 @@ def run_trial(cfg):
     step_ms = [
         1000.0 * (ends[i] - ends[i - 1]) for i in range(cfg["warmup"], steps)
     ]
+    cpu = timer.cpu_ends  # work done per step, less sensitive to load
+    cpu_ms = 1000.0 * (cpu[-1] - cpu[cfg["warmup"] - 1]) / cfg["steps"]
     return {
         "step_ms": step_ms,
         "median_step_ms": statistics.median(step_ms),
+        "cpu_ms_per_step": cpu_ms,
         "first_step_s": ends[0] - t_fit,
         "setup_s": t_ready - t_import,
         "import_s": t_import - _START,
@@ -263,9 +247,18 @@ def _parse_args(argv):
     p.add_argument("--replicas", type=_csv(int), default=None,
                    help="replica counts to run (default 1,2,4)")
     p.add_argument("--models", type=_csv(str), default=list(MODELS),
-                   help="models to run (default mlp,convnet)")
+                   help="models to run (default: all of "
+                   f"{','.join(MODELS)})")
     p.add_argument("--variants", type=_csv(str), default=list(VARIANTS),
-                   help="variants to run (default single,native,mirrored)")
+                   help="variants to run (default: all; mirrored_baseline "
+                   "only with --baseline)")
+    p.add_argument("--baseline", default=None, metavar="DIR",
+                   help="a checkout of keras-mirror (e.g. a git worktree "
+                   "of main) whose MirroredModel runs as the "
+                   "`mirrored_baseline` variant, interleaved: before/after")
+    p.add_argument("--baseline-label", default=None,
+                   help="what the baseline is, for the report (default: "
+                   "`git describe` in DIR)")
     p.add_argument("--batch-size", type=int, default=256,
                    help="global batch size (default 256)")
     p.add_argument("--steps", type=int, default=None,
@@ -355,8 +348,9 @@ def _plan(args, num_gpus):
             if n > len(devices):
                 notes.append(f"N={n} skipped: only {len(devices)} devices")
                 continue
-            for variant in ("native", "mirrored", "mirrored_strategy"):
-                if variant not in args.variants:
+            for variant in VARIANTS[1:]:
+                if variant not in args.variants or _skip(
+                        args, model, variant, notes):
                     continue
                 if variant == "native" and args.batch_size % n:
                     notes.append(
@@ -370,8 +364,27 @@ def _plan(args, num_gpus):
     return devices, num_cpus, configs, sorted(set(notes))
 
 
+def _skip(args, model, variant, notes):
+    """Whether `variant` of `model` is left out (with a note saying why)."""
+    if variant == "mirrored_baseline" and not args.baseline:
+        return True  # asked for by --baseline only
+    if variant == "native" and model in bench_models.OWN_STEP:
+        notes.append(f"{model}: native not run: stock Keras 3.15 `fit` of a "
+                     "GAN's own train_step under MirroredStrategy fails "
+                     "(InvalidArgumentError at `cond/Placeholder_1` in "
+                     "`multi_step_on_iterator`)")
+        return True
+    if variant == "mirrored_strategy" and model in bench_models.OWN_STEP:
+        notes.append(f"{model}: mirrored_strategy not run: a model with its "
+                     "own train_step runs the strategy path as `mirrored`")
+        return True
+    return False
+
+
 def _config(args, model, variant, replicas, devices, num_cpus):
+    root = args.baseline if variant == "mirrored_baseline" else None
     return {
+        "root": root and os.path.abspath(root),
         "model": model,
         "variant": variant,
         "replicas": replicas,
@@ -411,8 +424,11 @@ def _run_subprocess(cfg, timeout):
         }
 
 
-def _run_all(args, configs):
-    """Runs `args.repeats` rounds over `configs`, rotating the order."""
+def _run_all(args, configs, after_round=None):
+    """Runs `args.repeats` rounds over `configs`, rotating the order.
+
+    `after_round(trials)` is called after each round (the report so far).
+    """
     trials = {bench_report.key(c): [] for c in configs}
     total = len(configs) * args.repeats
     done = 0
@@ -426,9 +442,13 @@ def _run_all(args, configs):
             result = _run_subprocess(cfg, args.trial_timeout)
             trials[key].append(result)
             if result["ok"]:
-                print(f"{result['median_step_ms']:.2f} ms/step", flush=True)
+                print(f"{result['median_step_ms']:.2f} ms/step, "
+                      f"{result['cpu_ms_per_step']:.2f} CPU ms/step",
+                      flush=True)
             else:
                 print(f"FAILED ({result['error']})", flush=True)
+        if after_round is not None and r + 1 < args.repeats:
+            after_round(trials)
     return trials
 
 def main(argv=None):
@@ -451,15 +471,31 @@ def main(argv=None):
         return 2
     print(f"Devices: {devices}; {len(configs)} configs x {args.repeats} "
           f"repeats, {args.steps} timed steps each", flush=True)
-    trials = _run_all(args, configs)
-    rows = bench_report.summarise(configs, trials)
+    out = args.out or bench_report.default_out()
+
+    def report(trials):
+        """Writes the report of `trials` (each round's, then the last)."""
+        rows = bench_report.summarise(configs, trials)
+        bench_report.write(_report(args, argv, machine, devices, num_cpus,
+                                   loadavg_before, notes, rows, trials), out)
+        return rows
+
+    rows = report(_run_all(args, configs, after_round=report))
+    return 1 if any(r["trials_failed"] for r in rows) else 0
+
+
+def _report(args, argv, machine, devices, num_cpus, loadavg_before, notes,
+            rows, trials):
     settings = {k: getattr(args, k) for k in _SETTINGS}
-    report = {
+    return {
         "schema_version": SCHEMA_VERSION,
         "date": datetime.datetime.now().isoformat(timespec="seconds"),
         "command": " ".join(["python", "benchmarks/bench_step.py", *argv]),
         "machine": machine,
-        "settings": dict(settings, devices=devices, num_cpus=num_cpus),
+        "settings": dict(settings, devices=devices, num_cpus=num_cpus,
+                         baseline_commit=args.baseline and (
+                             args.baseline_label
+                             or bench_report.git_commit(args.baseline))),
         "loadavg_before": loadavg_before,
         "loadavg_after": bench_report.loadavg(),
         "notes": notes,
@@ -467,8 +503,6 @@ def main(argv=None):
         "ratios": bench_report.ratios(rows),
         "trials": trials,
     }
-    bench_report.write(report, args.out or bench_report.default_out())
-    return 1 if any(r["trials_failed"] for r in rows) else 0
 
 
 

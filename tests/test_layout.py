@@ -35,7 +35,6 @@ COVERED_BY = {
     "launch/_ports": "launch/test_launch.py",
     "launch/_supervise": "launch/test_launch.py",
     "launch/_workers": "launch/test_launch.py",
-    "steps/in_graph": "steps/test_execution.py",
     "steps/strategy": "steps/test_execution.py",
     "steps/dispatch": "steps/test_execution.py",
     "steps/_capacity": "test_mirrored_model.py",

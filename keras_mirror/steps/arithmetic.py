@@ -46,11 +46,23 @@ def weight_regularization(model):
 
 
 def _count_nonfinite(tensors):
+    """The number of NaN and Inf values in `tensors`.
+
+    One count per dtype, over the tensors flattened and joined: this runs
+    only in the rare branch of `norm_and_nonfinite`'s `cond`, but a
+    lowered `cond` still dispatches every op of the branch not taken, so
+    the branch is kept to a few ops per replica (not four per tensor).
+    """
+    groups = {}
+    for t in tensors:
+        if t is not None and tf.as_dtype(t.dtype).is_floating:
+            t = tf.convert_to_tensor(t)
+            groups.setdefault(t.dtype, []).append(tf.reshape(t, [-1]))
     counts = [
-        tf.reduce_sum(tf.cast(~tf.math.is_finite(tf.convert_to_tensor(t)),
-                              tf.int32))
-        for t in tensors
-        if t is not None and tf.as_dtype(t.dtype).is_floating
+        tf.reduce_sum(tf.cast(~tf.math.is_finite(
+            flat[0] if len(flat) == 1 else tf.concat(flat, axis=0)),
+            tf.int32))
+        for flat in groups.values()
     ]
     return tf.add_n(counts) if counts else tf.zeros((), tf.int32)
 
@@ -194,10 +206,12 @@ def with_mask(y_pred, mask):
 
 
 def _sample_weight_sum(sw, rows):
+    """The shard's sum of sample weights (0 for a stand-in row's)."""
     if sw is None:
         return tf.cast(rows, tf.float32)
-    return tf.add_n([tf.reduce_sum(tf.cast(w, tf.float32))
-                     for w in tf.nest.flatten(sw)])
+    total = tf.add_n([tf.reduce_sum(tf.cast(w, tf.float32))
+                      for w in tf.nest.flatten(sw)])
+    return tf.where(rows > 0, total, 0.0)
 
 
 def pack_stats(per_replica, keys=REPLICA_KEYS):
@@ -210,6 +224,16 @@ def pack_stats(per_replica, keys=REPLICA_KEYS):
     scalars = [tf.cast(stats[k], tf.float32)
                for stats in per_replica for k in keys]
     return tf.reshape(tf.stack(scalars), [len(per_replica), len(keys)])
+
+
+def stats_row(stats, keys=REPLICA_KEYS):
+    """One replica's statistics as a float32 `[keys]` vector.
+
+    Built on the replica's device, so that one tensor per replica, not one
+    per statistic, reaches the device that packs them (`tf.stack` of the
+    rows is `pack_stats`'s matrix).
+    """
+    return tf.stack([tf.cast(stats[k], tf.float32) for k in keys])
 
 
 def compute_stats(keys, start, grads, shard_loss, rows, sw):

@@ -88,13 +88,21 @@ def _contribution(mirrored, shard_loss, extras, count, total, first, rows):
         extras, count, total, first, rows)
 
 
-def _concat(parts, masks=None):
-    """The shards' predictions in replica order, with their mask if any."""
+def _concat(parts, rows, masks=None):
+    """The shards' predictions in replica order, with their mask if any.
+
+    The parts hold the stand-in rows of empty shards (`_stand_in`), which
+    the plan puts last (its sizes never increase with the replica id): the
+    global batch's `rows` rows come first, and one slice of the joined
+    tensor drops every stand-in, instead of one slice per replica.
+    """
     if len(parts) == 1:
         return parts[0]
-    joined = tf.nest.map_structure(lambda *p: tf.concat(p, axis=0), *parts)
+    joined = _stand_in.real_rows(tf.nest.map_structure(
+        lambda *p: tf.concat(p, axis=0), *parts), rows)
     if masks and masks[0] is not None:
-        arithmetic.with_mask(joined, tf.concat(masks, axis=0))
+        arithmetic.with_mask(joined, _stand_in.real_rows(
+            tf.concat(masks, axis=0), rows))
     return joined
 
 
@@ -160,7 +168,11 @@ def _gather_slices(parts, wire, device):
 
 
 class _Shard:
-    """One replica's forward pass: its rows, predictions, loss, tape."""
+    """One replica's forward pass: its rows, predictions, loss, tape.
+
+    An empty shard's predictions, mask and sample weights are its stand-in
+    row's (`_concat` and `arithmetic.compute_stats` leave them out).
+    """
 
     def __init__(self, device, rows, sw, tape, y_pred, loss, extras, mask):
         self.device, self.rows, self.sw, self.tape = device, rows, sw, tape
@@ -189,9 +201,6 @@ def _forward(mirrored, packed, present, rows, training, guard=None):
                     loss = _loss(mirrored, xr, yr, y_pred, swr, training)
                     extras = list(inner.losses)
                 mask = arithmetic.output_mask(y_pred) if many else None
-                if many:  # a stand-in row is no prediction
-                    y_pred, mask, swr = _stand_in.real_rows(
-                        (y_pred, mask, swr), shard_rows)
             if guard is not None:
                 guard.after_replica(r)
             shards.append(_Shard(
@@ -227,8 +236,7 @@ def _replicas_eager(mirrored, packed, present, rows, keys, start):
             g = shard.tape.gradient(scaled, variables)
             if r > 0:  # replica 0 holds a row of every non-empty batch
                 g = arithmetic.zero_if_empty(g, shard.rows)
-            stats = arithmetic.compute_stats(keys, start, g, shard.loss,
-                                             shard.rows, shard.sw)
+            stats = _stats(keys, start, g, shard.loss, shard.rows, shard.sw)
         out.append((g, contribution, stats, shard.y_pred, shard.mask))
     guard.finish()
     return out
@@ -283,18 +291,38 @@ def _replicas_xla(mirrored, packed, present, rows, keys, start):
                     trainable, non_trainable, xr, yr, swr,
                     tf.constant(r, tf.int32), tf.cast(shard_rows, tf.int32),
                     tf.cast(offset, tf.int32), scale)
-                if len(mirrored.devices) > 1:
-                    y_pred, swr = _stand_in.real_rows((y_pred, swr),
-                                                      shard_rows)
                 if r > 0:
                     g = arithmetic.zero_if_empty(g, shard_rows)
                 else:
                     kept = updates
-                stats = arithmetic.compute_stats(keys, start, g, loss,
-                                                 shard_rows, swr)
+                stats = _stats(keys, start, g, loss, shard_rows, swr)
             out.append((g, contribution, stats, y_pred, None))
     _xla.assign(inner.non_trainable_variables, kept)
     return out
+
+
+def _stats(keys, start, grads, loss, rows, sw):
+    """`(statistics, their packed row)` of one replica, on its device.
+
+    The row (`arithmetic.stats_row`) is the one tensor of statistics that
+    goes to the first device; `None` without statistics.
+    """
+    stats = arithmetic.compute_stats(keys, start, grads, loss, rows, sw)
+    return stats, arithmetic.stats_row(stats, keys) if keys else None
+
+
+def _skip_unless_finite(optimizer, reduced, variables, packed, keys):
+    """The optimizer update, skipped when any replica counted a NaN/Inf.
+
+    The counts are read from the packed statistics (a column of float32
+    counts: their sum is 0 exactly when every count is).
+    """
+    def apply():
+        optimizer.apply(reduced, variables)
+        return tf.constant(True)
+
+    nonfinite = tf.reduce_sum(packed[:, keys.index("replica_nonfinite")])
+    tf.cond(tf.equal(nonfinite, 0.0), apply, lambda: tf.constant(False))
 
 
 def _replicas(mirrored, *args):
@@ -319,7 +347,7 @@ def train_step(mirrored, data):
         mirrored, packed, present, rows, keys, start))
     home = mirrored.devices[0]
     with tf.device(home):
-        packed_stats = arithmetic.pack_stats(stats, keys) if keys else None
+        packed_stats = tf.stack([row for _, row in stats]) if keys else None
     reduced = _sum_gradients(grads, variables, mirrored._gradient_dtype,
                              home)
     with tf.device(home):
@@ -327,14 +355,9 @@ def train_step(mirrored, data):
         if mirrored.on_nonfinite == "warn":
             optimizer.apply(reduced, variables)
         else:
-            def apply():
-                optimizer.apply(reduced, variables)
-                return tf.constant(True)
-
-            nonfinite = tf.add_n([s["replica_nonfinite"] for s in stats])
-            tf.cond(tf.equal(nonfinite, 0),
-                    apply, lambda: tf.constant(False))
-        y_pred = _concat(list(preds), list(masks))
+            _skip_unless_finite(optimizer, reduced, variables, packed_stats,
+                                keys)
+        y_pred = _concat(list(preds), rows, list(masks))
         logs = mirrored._track(x, y, y_pred, sw, loss, rows)
         if packed_stats is not None:
             logs[_replica_logs.PACKED] = packed_stats
@@ -355,7 +378,7 @@ def test_step(mirrored, data):
                 mirrored, shard.loss, shard.extras, counts[r], total, r == 0,
                 shard.rows))
     with tf.device(mirrored.devices[0]):
-        y_pred = _concat([s.y_pred for s in shards],
+        y_pred = _concat([s.y_pred for s in shards], rows,
                          [s.mask for s in shards])
         return mirrored._track(x, y, y_pred, sw, tf.add_n(contributions),
                                rows)
@@ -370,7 +393,6 @@ def predict_step(mirrored, data):
                 zip(mirrored.devices, _shards(mirrored, x, rows))):
             with tf.device(device), _context(
                     mirrored, r, shard_rows, rows, offset):
-                preds.append(_stand_in.real_rows(
-                    mirrored._inner(shard, training=False), shard_rows))
+                preds.append(mirrored._inner(shard, training=False))
     with tf.device(mirrored.devices[0]):
-        return _concat(preds)
+        return _concat(preds, rows)

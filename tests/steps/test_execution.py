@@ -7,7 +7,7 @@ behaviour that is specific to one path.
 
 Also the tests of `keras_mirror/allreduce.py`,
 `keras_mirror/steps/_scope.py`, `keras_mirror/steps/dispatch.py`,
-`keras_mirror/steps/in_graph.py`, `keras_mirror/steps/strategy.py`.
+`keras_mirror/steps/strategy.py`.
 """
 
 import warnings
