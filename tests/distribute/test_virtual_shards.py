@@ -188,8 +188,8 @@ def test_workers_read_their_shares_and_train_like_one_process(
 @pytest.mark.timeout(300)
 def test_elastic_three_to_two_workers_resumes_every_shard_exactly(
         data_dir, tmp_path, capsys):
-    # Also the launcher's elastic run (once tests/launch/test_elastic.py): worker 2
-    # is SIGKILLed after step 4 on every attempt (a host lost for good);
+    # Also the launcher's elastic run (once tests/test_elastic.py): worker
+    # 2 is SIGKILLed after step 4 on every attempt (a host lost for good);
     # attempt 1 resumes from the step backup and loses worker 2 again;
     # attempt 2 runs on 2 workers, resumes and finishes on the weights of
     # uninterrupted training, no step lost or repeated.
