@@ -25,6 +25,7 @@ a new graph or a tf.function").
 import tensorflow as tf
 
 from keras_mirror.steps import _xla
+from keras_mirror.steps import arithmetic
 
 REDUCES = ("the forward pass all-reduces across replicas, which TensorFlow "
            "does not allow inside a function traced once for all replicas")
@@ -60,6 +61,32 @@ def replica_work(mirrored, body, shards):
     traced = Traced(function, [i + 2 for i in shards])
     mirrored.__dict__["_one_trace_last"] = traced
     return traced
+
+
+def finisher(mirrored, keys):
+    """A replica's gradient guard and statistics, traced once.
+
+    `finish(grads, shard_loss, rows, sw, start)` returns
+    `(arithmetic.zero_if_empty(grads, rows), arithmetic.compute_stats(...))`
+    for dense gradients: outside XLA (the step clock is a `tf.timestamp`),
+    one call per replica instead of a `cond` and the statistics' ops traced
+    per replica. Sparse gradients (an `Embedding`'s `tf.IndexedSlices`)
+    are guarded per replica, as without the single trace.
+    """
+    def finish(grads, shard_loss, rows, sw, start):
+        grads = arithmetic.zero_if_empty(grads, rows)
+        return grads, arithmetic.compute_stats(keys, start, grads,
+                                               shard_loss, rows, sw)
+
+    traced = Traced(tf.function(finish, autograph=False), shards=[3])
+
+    def call(grads, shard_loss, rows, sw, start):
+        rows = tf.cast(rows, tf.int32)
+        if any(isinstance(g, tf.IndexedSlices) for g in grads):
+            return finish(grads, shard_loss, rows, sw, start)
+        return traced(grads, shard_loss, rows, sw, start)
+
+    return call
 
 
 class Traced:

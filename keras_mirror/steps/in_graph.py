@@ -276,6 +276,7 @@ def _replicas_traced(mirrored, packed, present, rows, keys, start):
     scale = tf.cast(inner.optimizer.scale_loss(tf.ones((), tf.float32)),
                     tf.float32)
     work = _traced_work(mirrored, rows)
+    finish = _one_trace.finisher(mirrored, keys)
     out = []
     with _scope.replica_scope(mirrored):
         for r, (device, (shard, offset, shard_rows)) in enumerate(
@@ -289,12 +290,10 @@ def _replicas_traced(mirrored, packed, present, rows, keys, start):
                 if len(mirrored.devices) > 1:
                     y_pred, swr = _stand_in.real_rows((y_pred, swr),
                                                       shard_rows)
-                if r > 0:
-                    g = arithmetic.zero_if_empty(g, shard_rows)
-                else:
+                if r == 0:
                     kept = updates
-                stats = arithmetic.compute_stats(keys, start, g, loss,
-                                                 shard_rows, swr)
+                # Replica 0's rows are never empty: its guard is a no-op.
+                g, stats = finish(g, loss, shard_rows, swr, start)
             out.append((g, contribution, stats, y_pred, None))
     _xla.assign(inner.non_trainable_variables, kept)
     return out

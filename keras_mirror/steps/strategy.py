@@ -203,10 +203,12 @@ class ReplicaSteps:
         keys = self._stat_keys()
         variables = self._inner.trainable_weights
         optimizer = self._inner.optimizer
-        if traced is not None:
+        if traced is not None:  # (work, finish), each traced once
             y_pred, contribution, shard, mask, grads = self._replica_traced(
-                traced, x, y, sw, global_rows, sizes)
+                traced[0], x, y, sw, global_rows, sizes)
             rows = self._real_rows_of(sizes)
+            sw = _stand_in.real_rows(sw, rows)
+            grads, stats = traced[1](grads, shard, rows, sw, start)
         else:
             with tf.GradientTape() as tape, self._context(global_rows,
                                                           sizes):
@@ -217,9 +219,10 @@ class ReplicaSteps:
                     x, y, y_pred, sw, True, global_rows, mask)
                 scaled = optimizer.scale_loss(contribution)
             grads = tape.gradient(scaled, variables)
-        grads = arithmetic.zero_if_empty(grads, rows)
-        sw = _stand_in.real_rows(sw, rows)
-        stats = arithmetic.compute_stats(keys, start, grads, shard, rows, sw)
+            grads = arithmetic.zero_if_empty(grads, rows)
+            sw = _stand_in.real_rows(sw, rows)
+            stats = arithmetic.compute_stats(keys, start, grads, shard, rows,
+                                             sw)
         reduced = allreduce.all_reduce_sum(
             grads, self._comm_options, self._gradient_dtype)
         ctx = tf.distribute.get_replica_context()
@@ -282,7 +285,9 @@ class ReplicaSteps:
                 self,
                 lambda: self._strategy.run(
                     self._replica_train,
-                    args=args + (self._traced_work(rows),)),
+                    args=args + ((self._traced_work(rows),
+                                  _one_trace.finisher(self, self._stat_keys())
+                                  ),)),
                 lambda: self._strategy.run(self._replica_train, args=args))
 
     def _sync_state(self):
