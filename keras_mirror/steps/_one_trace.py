@@ -36,14 +36,21 @@ def enabled(mirrored):
 
     Not for a model's own `train_step` (its optimizer all-reduces inside
     the step), synchronized BatchNormalization on the `"strategy"` path (an
-    all-reduce in the forward pass), `run_eagerly`, or once a trace failed.
+    all-reduce in the forward pass), `run_eagerly`, or once a trace failed;
+    with one local replica (one device, or a multi-worker process) only
+    for XLA, whose compiled function it is (one trace has nothing to share
+    there).
     """
     if mirrored._custom_step or mirrored.__dict__.get("_one_trace_off"):
         return False
     if getattr(mirrored._inner, "run_eagerly", False):
         return False
-    return not (mirrored._execution == "strategy"
-                and mirrored.__dict__.get("_synchronized"))
+    if mirrored._execution == "strategy" and mirrored.__dict__.get(
+            "_synchronized"):
+        return False
+    if len(mirrored.devices) == 1 or mirrored._multi_worker:
+        return _xla.enabled(mirrored)
+    return True
 
 
 def replica_work(mirrored, body, shards):
