@@ -27,6 +27,7 @@ import tensorflow as tf
 from keras_mirror.steps import _xla
 from keras_mirror.steps import arithmetic
 
+SPARSE = "a shard is sparse or ragged"
 REDUCES = ("the forward pass all-reduces across replicas, which TensorFlow "
            "does not allow inside a function traced once for all replicas")
 
@@ -65,7 +66,7 @@ def replica_work(mirrored, body, shards):
     function = _xla.replica_function(mirrored._inner, body, jit)
     if jit:
         _xla.remember(mirrored, function)
-    traced = Traced(function, [i + 2 for i in shards])
+    traced = Traced(function, [i + 2 for i in shards], jit)
     mirrored.__dict__["_one_trace_last"] = traced
     return traced
 
@@ -96,19 +97,36 @@ def finisher(mirrored, keys):
     return call
 
 
-class Traced:
-    """A function traced on its first call, then called as that trace."""
+class Unshared(Exception):
+    """Raised before tracing work that one trace cannot serve exactly."""
 
-    def __init__(self, function, shards):
+
+class Traced:
+    """A function traced on its first call, then called as that trace.
+
+    Sparse or ragged shards are not traced once (measured: weights 0.06
+    away from one device's with a sparse input on in_graph): with XLA the
+    function is called as a `tf.function` (as before the single trace),
+    without it `Unshared` sends the step back to per-replica traces.
+    """
+
+    def __init__(self, function, shards, jit=False):
         self.function = function
         self._shards = set(shards)
         self._concrete = None
+        self._jit = jit
 
     def tracing_count(self):
         """How many times the function was traced (1 once it ran)."""
         return self.function.experimental_get_tracing_count()
 
     def __call__(self, *args):
+        composite = any(isinstance(t, (tf.SparseTensor, tf.RaggedTensor))
+                        for t in tf.nest.flatten(args))
+        if composite and self._jit:
+            return self.function(*args)
+        if composite:
+            raise Unshared(SPARSE)
         if self._concrete is None:
             specs = [_specs(a, i in self._shards) for i, a in enumerate(args)]
             self._concrete = self.function.get_concrete_function(*specs)
@@ -116,16 +134,27 @@ class Traced:
 
 
 def _specs(structure, shard):
+    """Each leaf's type spec; a shard's with its row count unknown.
+
+    Sparse and ragged shards (`tests/test_sparse_inputs.py`) keep their
+    kind.
+    """
     def spec(t):
         if t is None:
             return None
-        t = tf.convert_to_tensor(t)
+        if not isinstance(t, (tf.SparseTensor, tf.RaggedTensor)):
+            t = tf.convert_to_tensor(t)
         shape = t.shape
         if shard and shape.rank:
             shape = tf.TensorShape([None]).concatenate(shape[1:])
+        if isinstance(t, tf.SparseTensor):
+            return tf.SparseTensorSpec(shape, t.dtype)
+        if isinstance(t, tf.RaggedTensor):
+            return tf.RaggedTensorSpec(shape, t.dtype, t.ragged_rank,
+                                       t.row_splits.dtype)
         return tf.TensorSpec(shape, t.dtype)
 
-    return tf.nest.map_structure(spec, structure)
+    return tf.nest.map_structure(spec, structure, expand_composites=False)
 
 
 def run(mirrored, traced, plain):
@@ -141,6 +170,8 @@ def run(mirrored, traced, plain):
             return traced()
         except _xla.Unsupported as e:
             turn_off(mirrored, str(e))
+        except Unshared as e:
+            mirrored.__dict__["_one_trace_off"] = str(e)
         except RuntimeError as e:
             if "merge_call" not in str(e) and REDUCES not in str(e):
                 raise
