@@ -16,7 +16,8 @@ device of its replica's scope.
 
 Where the work cannot be traced once, the step traces it per replica as
 before, without a word (the trace is only a start-up cost): a masked
-output (its loss shares need every replica's count, an all-reduce) and any
+output (its loss shares need every replica's count, an all-reduce), sparse
+or ragged shards (`Traced`), and any
 cross-replica reduction inside the forward pass (TensorFlow refuses
 `merge_call` inside a nested function: "`merge_call` called while defining
 a new graph or a tf.function").
