@@ -1,16 +1,20 @@
 """Time to the first step of a model with its own `train_step` (a WGAN-GP).
 
 Each trial is a fresh process that builds the keras.io-style WGAN-GP of
-`tests/guide_models.py` and times `fit` of one step (trace, compile and the
-step itself), on one device with the model's own `fit` and wrapped by
+`tests/support/guide_models.py` and times `fit` of one step (trace, compile
+and the step itself), on one device with the model's own `fit` and wrapped by
 `MirroredModel` over N logical CPUs. Trials of the configurations are
 interleaved; the medians and their ratios are printed side by side.
 
     python benchmarks/bench_first_step.py --trials 3 --replicas 1 2 4
+    python benchmarks/bench_first_step.py --model mlp --replicas 1 4 8 \
+        --baseline /path/to/other/checkout --json results.json
 
-`tf.distribute.MirroredStrategy` traces a replica function once per replica
-(each replica's ops are their own in the graph), so the trace part of the
-first step grows with N; the issue's target is 1.5x of one device.
+`--baseline` runs every MirroredModel configuration a second time with
+another checkout's `keras_mirror` (its directory put first on
+`PYTHONPATH`), interleaved with this one's, so that a change is measured
+side by side on the same loaded machine. See `profile_first_step.py` for
+where the time goes (trace, first call, grappler).
 """
 
 import argparse
@@ -43,7 +47,7 @@ def _mlp(keras, jit):
 
 def _trial(replicas, name="wgan_gp", jit=False):
     os.environ.setdefault("TF_CPP_MIN_LOG_LEVEL", "3")
-    sys.path.insert(0, os.path.join(_ROOT, "tests"))
+    sys.path.insert(0, os.path.join(_ROOT, "tests", "support"))
     import keras_mirror
 
     devices = keras_mirror.logical_cpus(max(replicas, 1))
@@ -70,11 +74,14 @@ def _trial(replicas, name="wgan_gp", jit=False):
     print(json.dumps({"first_step_s": first, "later_step_s": steps}))
 
 
-def _run(replicas, name, jit):
+def _run(replicas, name, jit, root=None):
+    env = dict(os.environ)
+    if root is not None:
+        env["PYTHONPATH"] = root
     out = subprocess.run(
         [sys.executable, __file__, "--trial", str(replicas), "--model", name]
         + (["--jit"] if jit else []),
-        capture_output=True, text=True, timeout=900)
+        capture_output=True, text=True, timeout=1800, env=env)
     if out.returncode != 0:
         raise RuntimeError(out.stderr[-2000:])
     return json.loads(out.stdout.strip().splitlines()[-1])
@@ -88,27 +95,57 @@ def main(argv=None):
                         choices=["wgan_gp", "mlp"])
     parser.add_argument("--jit", action="store_true",
                         help="compile the model with jit_compile=True")
+    parser.add_argument("--baseline", help="another checkout to compare")
+    parser.add_argument("--json", help="append the medians to this file")
     parser.add_argument("--trial", type=int, help=argparse.SUPPRESS)
     args = parser.parse_args(argv)
     if args.trial is not None:
         _trial(args.trial, args.model, args.jit)
         return 0
-    configs = [0] + args.replicas  # 0: the model's own fit, one device
+    configs = [(0, None)] + [(n, None) for n in args.replicas]
+    if args.baseline:
+        configs += [(n, args.baseline) for n in args.replicas]
     results = {c: [] for c in configs}
+    load = []
     for _ in range(args.trials):
         for c in configs:
-            results[c].append(_run(c, args.model, args.jit)["first_step_s"])
-    single = statistics.median(results[0])
-    print(f"model={args.model} jit_compile={args.jit}, load average "
-          f"{' '.join(f'{v:.2f}' for v in os.getloadavg())}, medians of "
-          f"{args.trials} interleaved fresh-process trials")
-    print(f"{'configuration':<28}{'first step (s)':>16}{'/ one device':>14}")
-    print(f"{'one device (model.fit)':<28}{single:>16.2f}{1.0:>14.2f}")
-    for c in args.replicas:
-        median = statistics.median(results[c])
-        print(f"{f'MirroredModel, N={c}':<28}{median:>16.2f}"
-              f"{median / single:>14.2f}")
+            results[c].append(_run(c[0], args.model, args.jit,
+                                   c[1])["first_step_s"])
+            load.append(os.getloadavg()[0])
+    _print(args, results, load)
     return 0
+
+
+def _print(args, results, load):
+    medians = {c: statistics.median(t) for c, t in results.items()}
+    single = medians[(0, None)]
+    print(f"model={args.model} jit_compile={args.jit}, load average "
+          f"{' '.join(f'{v:.2f}' for v in os.getloadavg())} (1-min load "
+          f"during the trials {min(load):.1f}-{max(load):.1f}), medians of "
+          f"{args.trials} interleaved fresh-process trials")
+    print(f"{'configuration':<28}{'first step (s)':>16}{'/ one device':>14}"
+          f"{'/ N=4':>8}")
+    print(f"{'one device (model.fit)':<28}{single:>16.2f}{1.0:>14.2f}")
+    rows = []
+    for (n, root), median in medians.items():
+        if n == 0:
+            continue
+        name = f"MirroredModel, N={n}" + (" (baseline)" if root else "")
+        four = medians.get((4, root))
+        per_four = f"{median / four:>8.2f}" if four else ""
+        print(f"{name:<28}{median:>16.2f}{median / single:>14.2f}"
+              f"{per_four}")
+        rows.append({"replicas": n, "baseline": bool(root),
+                     "first_step_s": median, "per_one_device": median / single,
+                     "trials": results[(n, root)]})
+    if args.json:
+        record = {"model": args.model, "jit_compile": args.jit,
+                  "trials": args.trials, "load_during": [min(load),
+                                                         max(load)],
+                  "one_device_s": single, "one_device_trials":
+                  results[(0, None)], "configurations": rows}
+        with open(args.json, "a") as f:
+            f.write(json.dumps(record) + "\n")
 
 
 if __name__ == "__main__":

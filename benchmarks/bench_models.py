@@ -5,8 +5,8 @@
 - `convnet_bn`: the same with BatchNormalization after each convolution
   (non-trainable state written in training: the in-graph path's state
   guard runs);
-- `gan`: the keras.io DCGAN-style GAN of `tests/guide_models.py`, with its
-  own `train_step` and `compile(d_optimizer=..., g_optimizer=...,
+- `gan`: the keras.io DCGAN-style GAN of `tests/support/guide_models.py`,
+  with its own `train_step` and `compile(d_optimizer=..., g_optimizer=...,
   loss_fn=...)` (MirroredModel runs it on the `"strategy"` path).
 
 Each builder returns `(model, compile, shape)`: the uncompiled model, a
@@ -51,7 +51,7 @@ def _convnet(keras, batch_norm):
 
 
 def _gan(keras):
-    tests = os.path.join(_ROOT, "tests")
+    tests = os.path.join(_ROOT, "tests", "support")
     if tests not in sys.path:
         sys.path.insert(0, tests)
     import guide_models
@@ -62,7 +62,7 @@ def _gan(keras):
 
     def compile(target):
         # A GAN's own `compile` signature (`bench_step` compiles it before
-        # wrapping it, as `tests/guide_models.py`'s users do).
+        # wrapping it, as `tests/support/guide_models.py`'s users do).
         target.compile(**kwargs)
 
     return model, compile, SHAPES["gan"]

@@ -53,8 +53,10 @@ class ReplicaContext:
 
     On the `"in_graph"` execution path (see `MirroredModel`) the replicas'
     forward passes are traced one after the other into one graph, so a
-    replica cannot wait for the others: `replica_id` is a Python int and the
-    two reductions and `all_gather` raise `RuntimeError`. Models with their
+    replica cannot wait for the others: `replica_id` is a Python int (a
+    scalar tensor inside the built-in training step, traced once for all
+    replicas) and the two reductions and `all_gather` raise
+    `RuntimeError`. Models with their
     own `train_step` always run on the `"strategy"` path, where all work.
 
     Example:

@@ -80,8 +80,8 @@ def warn_once(mirrored, reason):
         "Received: jit_compile=True", UserWarning, stacklevel=4)
 
 
-def replica_function(model, body):
-    """One XLA function of a replica's work, for every replica.
+def replica_function(model, body, jit_compile=True):
+    """One function of a replica's work, for every replica (XLA: default).
 
     `body(*args)` runs the forward pass and returns `(outputs, loss to
     differentiate)`. The compiled function takes the model's variable
@@ -106,7 +106,7 @@ def replica_function(model, body):
         grads = tape.gradient(loss, t_values)
         return outputs, grads, updates
 
-    return tf.function(work, jit_compile=True, autograph=False)
+    return tf.function(work, jit_compile=jit_compile, autograph=False)
 
 
 def remember(mirrored, function):

@@ -39,6 +39,7 @@ from keras_mirror import split
 from keras_mirror.callbacks import _replica_logs
 from keras_mirror.replica_context import ReplicaContext
 from keras_mirror.replica_context import activate
+from keras_mirror.steps import _one_trace
 from keras_mirror.steps import _reductions
 from keras_mirror.steps import _scope
 from keras_mirror.steps import _sparse
@@ -242,13 +243,14 @@ def _replicas_eager(mirrored, packed, present, rows, keys, start):
     return out
 
 
-def _xla_work(mirrored, rows):
-    """Every replica's forward pass, loss and gradients: one XLA function.
+def _traced_work(mirrored, rows):
+    """Every replica's forward pass, loss and gradients: one function.
 
-    Traced once and called on each replica's device with its shard and its
-    place in the batch (tensors: the replica id too). The shares are rows;
-    a masked output, whose shares need every replica's count, raises
-    `_xla.Unsupported` while tracing.
+    Traced once (`_one_trace`; XLA-compiled with `jit_compile`) and called
+    on each replica's device with its shard and its place in the batch
+    (tensors: the replica id too). The shares are rows; a masked output,
+    whose shares need every replica's count, raises `_xla.Unsupported`
+    while tracing.
     """
     inner = mirrored._inner
     n = len(mirrored.devices)
@@ -258,19 +260,20 @@ def _xla_work(mirrored, rows):
                 r, n, shard_rows, rows, distributed=True,
                 reduce_error=_NO_REDUCE, offset=offset)):
             y_pred = inner(xr, training=True)
-            if n > 1:
-                _xla.check_no_mask(arithmetic.output_mask(y_pred))
+            # A mask would not survive the function's boundary, and its
+            # shares need every replica's count.
+            _xla.check_no_mask(arithmetic.output_mask(y_pred))
             loss = _loss(mirrored, xr, yr, y_pred, swr, True)
             contribution = loss if n == 1 else _contribution(
                 mirrored, loss, list(inner.losses), shard_rows, rows,
                 tf.equal(r, 0), shard_rows)
         return (y_pred, loss, contribution), contribution * scale
 
-    return _xla.remember(mirrored, _xla.replica_function(inner, body))
+    return _one_trace.replica_work(mirrored, body, shards=(0, 1, 2))
 
 
-def _replicas_xla(mirrored, packed, present, rows, keys, start):
-    """`_replicas_eager`'s results, each replica's work one XLA call.
+def _replicas_traced(mirrored, packed, present, rows, keys, start):
+    """`_replicas_eager`'s results, each replica's work one traced call.
 
     Every replica starts from the same non-trainable state and replica 0's
     writes are kept (the `StateGuard` semantics, without its copies).
@@ -280,7 +283,8 @@ def _replicas_xla(mirrored, packed, present, rows, keys, start):
     non_trainable = _xla.values(inner.non_trainable_variables)
     scale = tf.cast(inner.optimizer.scale_loss(tf.ones((), tf.float32)),
                     tf.float32)
-    work = _xla_work(mirrored, rows)
+    work = _traced_work(mirrored, rows)
+    finish = _one_trace.finisher(mirrored, keys)
     out = []
     with _scope.replica_scope(mirrored):
         for r, (device, (shard, offset, shard_rows)) in enumerate(
@@ -291,11 +295,12 @@ def _replicas_xla(mirrored, packed, present, rows, keys, start):
                     trainable, non_trainable, xr, yr, swr,
                     tf.constant(r, tf.int32), tf.cast(shard_rows, tf.int32),
                     tf.cast(offset, tf.int32), scale)
-                if r > 0:
-                    g = arithmetic.zero_if_empty(g, shard_rows)
-                else:
+                if r == 0:
                     kept = updates
-                stats = _stats(keys, start, g, loss, shard_rows, swr)
+                # Replica 0's rows are never empty: its guard is a no-op.
+                g, stats = finish(g, loss, shard_rows, swr, start)
+                stats = stats, (arithmetic.stats_row(stats, keys) if keys
+                                else None)
             out.append((g, contribution, stats, y_pred, None))
     _xla.assign(inner.non_trainable_variables, kept)
     return out
@@ -326,12 +331,8 @@ def _skip_unless_finite(optimizer, reduced, variables, packed, keys):
 
 
 def _replicas(mirrored, *args):
-    if _xla.enabled(mirrored):
-        try:
-            return _replicas_xla(mirrored, *args)
-        except _xla.Unsupported as e:
-            _xla.turn_off(mirrored, str(e))
-    return _replicas_eager(mirrored, *args)
+    return _one_trace.run(mirrored, lambda: _replicas_traced(mirrored, *args),
+                          lambda: _replicas_eager(mirrored, *args))
 
 
 def train_step(mirrored, data):

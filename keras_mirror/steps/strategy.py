@@ -18,6 +18,7 @@ from keras_mirror.callbacks import _replica_logs
 from keras_mirror.replica_context import ReplicaContext
 from keras_mirror.replica_context import activate
 from keras_mirror.replica_context import active
+from keras_mirror.steps import _one_trace
 from keras_mirror.steps import _reductions
 from keras_mirror.steps import _scope
 from keras_mirror.steps import _stand_in
@@ -91,13 +92,15 @@ class ReplicaSteps:
         it = iter(packed)
         return tuple(next(it) if p else None for p in present)
 
-    def _context(self, global_rows, sizes):
+    def _context(self, global_rows, sizes, r=None):
         """Makes `replica_context()` describe this replica in its step.
 
         Its shard size is the plan's (0 for a stand-in replica, whose
-        tensors hold one row).
+        tensors hold one row). `r`: the replica id as a tensor argument of
+        a function traced once for all replicas (else TF's, a constant).
         """
-        r = tf.distribute.get_replica_context().replica_id_in_sync_group
+        if r is None:
+            r = tf.distribute.get_replica_context().replica_id_in_sync_group
         return activate(ReplicaContext(
             r, self.num_replicas, tf.gather(sizes, r), global_rows,
             distributed=True, options=self._comm_options,
@@ -120,7 +123,7 @@ class ReplicaSteps:
         # (`_compat.unscaled_losses`): this is one device's loss of the shard.
         shard = tf.cast(_reductions.compute_loss(
             self._inner, x, y, y_pred, sw, training), tf.float32)
-        first = tf.equal(ctx.replica_id_in_sync_group, 0)
+        first = tf.equal(active().replica_id, 0)
         if mask is None:
             count, total = rows, global_rows
         else:
@@ -159,31 +162,33 @@ class ReplicaSteps:
 
     # -- train -------------------------------------------------------------
 
-    def _xla_work(self, global_rows):
-        """A replica's forward pass, loss and gradients: one XLA function.
+    def _traced_work(self, global_rows):
+        """A replica's forward pass, loss and gradients, traced once.
 
-        Called in each replica's context with that replica's copies of the
-        variables' values; a masked output (its shares need an all-reduce)
-        raises `_xla.Unsupported` while tracing.
+        One function (`_one_trace`; XLA-compiled with `jit_compile`) that
+        every replica calls in its context with its copies of the
+        variables' values, its shard and its id; a masked output (its
+        shares need an all-reduce) raises `_xla.Unsupported` while tracing.
         """
-        def body(x, y, sw, sizes, scale):
-            with self._context(global_rows, sizes):
+        def body(x, y, sw, sizes, r, scale):
+            with self._context(global_rows, sizes, r):
                 y_pred = self._inner(x, training=True)
                 _xla.check_no_mask(arithmetic.output_mask(y_pred))
                 contribution, shard = self._replica_loss(
                     x, y, y_pred, sw, True, global_rows)
             return (y_pred, contribution, shard), contribution * scale
 
-        return _xla.remember(self, _xla.replica_function(self._inner, body))
+        return _one_trace.replica_work(self, body, shards=(0, 1, 2))
 
-    def _replica_xla(self, work, x, y, sw, global_rows, sizes):
+    def _replica_traced(self, work, x, y, sw, global_rows, sizes):
         inner = self._inner
         scale = tf.cast(inner.optimizer.scale_loss(tf.ones((), tf.float32)),
                         tf.float32)
+        r = tf.distribute.get_replica_context().replica_id_in_sync_group
         (y_pred, contribution, shard), grads, updates = work(
             _xla.values(inner.trainable_variables),
             _xla.values(inner.non_trainable_variables), x, y, sw, sizes,
-            scale)
+            tf.cast(r, tf.int32), scale)
         _xla.assign(inner.non_trainable_variables, updates)
         return y_pred, contribution, shard, None, grads
 
@@ -193,15 +198,17 @@ class ReplicaSteps:
         return tf.cast(tf.gather(sizes, r), tf.int32)
 
     def _replica_train(self, packed, present, global_rows, start, sizes,
-                       xla=None):
+                       traced=None):
         x, y, sw = self._unpack(packed, present)
         keys = self._stat_keys()
         variables = self._inner.trainable_weights
         optimizer = self._inner.optimizer
-        if xla is not None:
-            y_pred, contribution, shard, mask, grads = self._replica_xla(
-                xla, x, y, sw, global_rows, sizes)
+        if traced is not None:  # (work, finish), each traced once
+            y_pred, contribution, shard, mask, grads = self._replica_traced(
+                traced[0], x, y, sw, global_rows, sizes)
             rows = self._real_rows_of(sizes)
+            sw = _stand_in.real_rows(sw, rows)
+            grads, stats = traced[1](grads, shard, rows, sw, start)
         else:
             with tf.GradientTape() as tape, self._context(global_rows,
                                                           sizes):
@@ -212,9 +219,10 @@ class ReplicaSteps:
                     x, y, y_pred, sw, True, global_rows, mask)
                 scaled = optimizer.scale_loss(contribution)
             grads = tape.gradient(scaled, variables)
-        grads = arithmetic.zero_if_empty(grads, rows)
-        sw = _stand_in.real_rows(sw, rows)
-        stats = arithmetic.compute_stats(keys, start, grads, shard, rows, sw)
+            grads = arithmetic.zero_if_empty(grads, rows)
+            sw = _stand_in.real_rows(sw, rows)
+            stats = arithmetic.compute_stats(keys, start, grads, shard, rows,
+                                             sw)
         reduced = allreduce.all_reduce_sum(
             grads, self._comm_options, self._gradient_dtype)
         ctx = tf.distribute.get_replica_context()
@@ -269,20 +277,18 @@ class ReplicaSteps:
         return logs
 
     def _run_train(self, shards, present, rows, start, sizes):
-        """`strategy.run` of the replica step, XLA-compiled where it can be.
-        """
+        """`strategy.run` of the replica step, its work traced once (and
+        XLA-compiled) where it can be (`_one_trace`)."""
+        args = (shards, present, rows, start, sizes)
         with _scope.replica_scope(self):
-            if _xla.enabled(self):
-                try:
-                    return self._strategy.run(
-                        self._replica_train,
-                        args=(shards, present, rows, start, sizes,
-                              self._xla_work(rows)))
-                except _xla.Unsupported as e:
-                    _xla.turn_off(self, str(e))
-            return self._strategy.run(
-                self._replica_train,
-                args=(shards, present, rows, start, sizes))
+            return _one_trace.run(
+                self,
+                lambda: self._strategy.run(
+                    self._replica_train,
+                    args=args + ((self._traced_work(rows),
+                                  _one_trace.finisher(self, self._stat_keys())
+                                  ),)),
+                lambda: self._strategy.run(self._replica_train, args=args))
 
     def _sync_state(self):
         """Copies replica 0's non-trainable state to the other replicas.

@@ -75,13 +75,15 @@ def test_xla_equals_one_device_with_xla(build, shape, execution):
     assert diff < TOL
 
 
-def test_one_trace_serves_every_replica_in_graph():
+@pytest.mark.parametrize("execution", ["in_graph", "strategy"])
+def test_one_trace_serves_every_replica(execution):
     model = _dense()
     model.compile(optimizer="sgd", loss="mse", jit_compile=True)
-    mirrored = keras_mirror.MirroredModel(model, execution="in_graph")
+    mirrored = keras_mirror.MirroredModel(model, execution=execution)
     x, y = np.ones((10, 6), "float32"), np.ones((10, 3), "float32")
     mirrored.fit(x, y, batch_size=10, verbose=0)
     assert len(mirrored.devices) == 4
+    # One trace (`steps/_one_trace`), compiled once per device by XLA.
     assert mirrored._xla_last.experimental_get_tracing_count() == 1
 
 
