@@ -35,6 +35,12 @@ OWN_STEP = (
     "compiled on every replica")
 
 
+OTHER_STATE = ("the loss or the forward pass updates variables that are not "
+               "the model's (a multi-output model's per-output loss "
+               "trackers, a layer's own state kept outside the model), "
+               "whose updates a function of the model's values would drop")
+
+
 class Unsupported(Exception):
     """Raised while tracing a replica function that XLA cannot compile."""
 
@@ -90,9 +96,12 @@ def replica_function(model, body, jit_compile=True):
     from one trace): `f(trainable, non_trainable, *args)` returns
     `(outputs, gradients, non-trainable values after the pass)`, computed
     in a `keras.StatelessScope` as Keras's own `stateless_call` does.
+    A pass that updates any other variable (`OTHER_STATE`) raises
+    `Unsupported` while tracing: its updates would be dropped.
     """
     trainable = list(model.trainable_variables)
     non_trainable = list(model.non_trainable_variables)
+    known = {id(v) for v in trainable + non_trainable}
 
     def work(t_values, nt_values, *args):
         mapping = list(zip(trainable, t_values)) + list(
@@ -103,6 +112,8 @@ def replica_function(model, body, jit_compile=True):
                                       collect_losses=True) as scope:
                 outputs, loss = body(*args)
                 updates = [scope.get_current_value(v) for v in non_trainable]
+            if set(scope.state_mapping) - known:
+                raise Unsupported(OTHER_STATE)
         grads = tape.gradient(loss, t_values)
         return outputs, grads, updates
 
