@@ -143,7 +143,7 @@ def test_auto_follows_keras_single_device_rule(monkeypatch):
 
 
 def test_own_step_warns_once_that_it_runs_uncompiled(cpus):
-    from helpers import own_step_model
+    from support.helpers import own_step_model
 
     model = own_step_model(features=4)
     model.compile(optimizer="sgd", loss="mse", jit_compile=True)
