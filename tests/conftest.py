@@ -66,3 +66,24 @@ def execution(request, monkeypatch):
 
     monkeypatch.setattr(keras_mirror.MirroredModel, "__init__", on_path)
     return request.param
+
+
+@pytest.hookimpl(tryfirst=True)  # before xdist reads the groups
+def pytest_collection_modifyitems(config, items):
+    """Keeps a module with a module-scoped fixture on one xdist worker.
+
+    `--dist loadgroup` (setup.cfg) spreads the tests of a module over the
+    workers, and each worker would build the module's fixture again (the
+    examples' run, the packaging venv): such a module becomes one group,
+    unless its tests already name theirs (`xdist_group`).
+    """
+    for item in items:
+        if item.get_closest_marker("xdist_group"):
+            continue
+        defs = getattr(item, "_fixtureinfo", None)
+        for fixturedefs in (defs.name2fixturedefs.values() if defs else ()):
+            fixture = fixturedefs[-1]
+            if fixture.scope == "module" and fixture.baseid not in (
+                    "", "tests"):
+                item.add_marker(pytest.mark.xdist_group(item.module.__name__))
+                break
