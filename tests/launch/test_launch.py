@@ -1,7 +1,7 @@
 """Tests of `keras_mirror.launch` with real worker processes on 127.0.0.1.
 
 Every test is bounded by a pytest timeout, and the launcher's own
-start-up and run timeouts; `_no_leftover_processes` kills and reports any
+start-up and run timeouts; `no_leftover_processes` kills and reports any
 process a test leaves behind.
 
 Also the tests of `keras_mirror/launch/__init__.py`,
@@ -20,6 +20,7 @@ import time
 import psutil
 import pytest
 from support import helpers
+from support.multi_worker import no_leftover_processes  # noqa: F401
 
 from keras_mirror import launch as launch_lib
 from keras_mirror.launch import _ports
@@ -33,16 +34,6 @@ WORKERS = helpers.WORKERS
 TOY = [sys.executable, str(WORKERS / "toy_worker.py")]
 MWMS = [sys.executable, str(WORKERS / "mwms_worker.py")]
 REPO = helpers.ROOT
-
-
-@pytest.fixture(autouse=True)
-def _no_leftover_processes():
-    yield
-    children = psutil.Process().children(recursive=True)
-    for child in children:
-        child.kill()
-    psutil.wait_procs(children, timeout=10)
-    assert not children, f"the test left processes behind: {children}"
 
 
 def _gone(pid):
@@ -233,20 +224,28 @@ def test_mark_ready_outside_the_launcher_does_nothing(monkeypatch):
 
 
 @pytest.mark.timeout(90)
-def test_sigterm_to_launcher_stops_its_workers(tmp_path):
-    log = tmp_path / "out.txt"
-    command = [sys.executable, "-m", "keras_mirror.cli", "launch", "-n", "2"]
-    command += ["--start-timeout", "0", "--"] + TOY + ["sleep"]
+def _launch_sleepers(log, worker, *options):
+    """`keras-mirror launch -n 2` of two sleeping toy workers, once both
+    sleep; its output goes to `log`."""
+    command = [sys.executable, "-m", "keras_mirror.cli", "launch", "-n", "2",
+               "--start-timeout", "0", *options, "--", *worker, "sleep"]
     with open(log, "wb") as out:
         launcher = subprocess.Popen(
-            command, stdout=out, stderr=subprocess.STDOUT, cwd=REPO
-        )
+            command, stdout=out, stderr=subprocess.STDOUT, cwd=REPO)
+    deadline = time.monotonic() + 60
+    while len(_sleeper_pids(log.read_text())) < 2:
+        if time.monotonic() > deadline or launcher.poll() is not None:
+            launcher.kill()
+            launcher.wait(10)
+            pytest.fail(log.read_text())
+        time.sleep(0.1)
+    return launcher
+
+
+def test_sigterm_to_launcher_stops_its_workers(tmp_path):
+    log = tmp_path / "out.txt"
+    launcher = _launch_sleepers(log, TOY)
     try:
-        deadline = time.monotonic() + 60
-        while len(_sleeper_pids(log.read_text())) < 2:
-            assert time.monotonic() < deadline, log.read_text()
-            assert launcher.poll() is None, log.read_text()
-            time.sleep(0.1)
         launcher.send_signal(signal.SIGTERM)
         assert launcher.wait(timeout=20) == 128 + signal.SIGTERM
         assert all(_gone(pid) for pid in _sleeper_pids(log.read_text()))
@@ -344,19 +343,9 @@ def test_launcher_killed_or_hung_up_leaves_no_orphan(tmp_path, signum):
     # worker, kills it. SIGHUP (a closed terminal) stops the workers as
     # SIGTERM does.
     log = tmp_path / "out.txt"
-    command = [sys.executable, "-m", "keras_mirror.cli", "launch", "-n", "2"]
-    command += ["--start-timeout", "0", "--grace-period", "1", "--"]
-    command += ["python", str(WORKERS / "toy_worker.py"), "sleep"]
-    with open(log, "wb") as out:
-        launcher = subprocess.Popen(
-            command, stdout=out, stderr=subprocess.STDOUT, cwd=REPO
-        )
+    launcher = _launch_sleepers(
+        log, ["python", str(WORKERS / "toy_worker.py")], "--grace-period", "1")
     try:
-        deadline = time.monotonic() + 60
-        while len(_sleeper_pids(log.read_text())) < 2:
-            assert time.monotonic() < deadline, log.read_text()
-            assert launcher.poll() is None, log.read_text()
-            time.sleep(0.1)
         pids = _sleeper_pids(log.read_text())
         launcher.send_signal(signum)
         launcher.wait(30)
