@@ -13,6 +13,7 @@ import gc  # noqa: E402
 
 import keras  # noqa: E402
 import pytest  # noqa: E402
+from support import xdist_groups  # noqa: E402
 
 import keras_mirror  # noqa: E402
 
@@ -70,20 +71,5 @@ def execution(request, monkeypatch):
 
 @pytest.hookimpl(tryfirst=True)  # before xdist reads the groups
 def pytest_collection_modifyitems(config, items):
-    """Keeps a module with a module-scoped fixture on one xdist worker.
-
-    `--dist loadgroup` (setup.cfg) spreads the tests of a module over the
-    workers, and each worker would build the module's fixture again (the
-    examples' run, the packaging venv): such a module becomes one group,
-    unless its tests already name theirs (`xdist_group`).
-    """
-    for item in items:
-        if item.get_closest_marker("xdist_group"):
-            continue
-        defs = getattr(item, "_fixtureinfo", None)
-        for fixturedefs in (defs.name2fixturedefs.values() if defs else ()):
-            fixture = fixturedefs[-1]
-            if fixture.scope == "module" and fixture.baseid not in (
-                    "", "tests"):
-                item.add_marker(pytest.mark.xdist_group(item.module.__name__))
-                break
+    """Keeps a module with a module-scoped fixture on one xdist worker."""
+    xdist_groups.group_module_fixtures(items)
