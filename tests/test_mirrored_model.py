@@ -12,6 +12,7 @@ import tensorflow as tf
 from support.helpers import data
 from support.helpers import max_diff
 from support.helpers import mlp
+from support.helpers import once
 from support.helpers import summary_cells
 
 import keras_mirror
@@ -33,32 +34,47 @@ OPTIMIZERS = {
 }
 
 
-def _step_both(n, cpus, make_optimizer, batches=BATCHES, sample_weight=True):
-    reference = mlp()
-    reference.compile(optimizer=make_optimizer(), loss="mse",
-                      metrics=["mae"])
-    mirrored = keras_mirror.MirroredModel(mlp(), devices=cpus[:n])
-    mirrored.compile(optimizer=make_optimizer(), loss="mse", metrics=["mae"])
+@pytest.fixture(scope="module")
+def one_device():
+    """One device's runs, by case: both paths compare with the same run."""
+    return {}
+
+
+def _steps(model, batches, sample_weight):
+    """`train_on_batch` over consecutive slices of `batches` rows: logs."""
     x, y, sw = data(sum(batches))
-    start = 0
-    losses = []
+    start, logs = 0, []
     for rows in batches:
         sl = slice(start, start + rows)
         kwargs = {"sample_weight": sw[sl]} if sample_weight else {}
-        ref = reference.train_on_batch(x[sl], y[sl], return_dict=True,
-                                       **kwargs)
-        got = mirrored.train_on_batch(x[sl], y[sl], return_dict=True,
-                                      **kwargs)
-        losses.append((ref, got))
+        logs.append(model.train_on_batch(x[sl], y[sl], return_dict=True,
+                                         **kwargs))
         start += rows
-    return reference, mirrored, losses
+    return logs
+
+
+def _step_both(n, cpus, name, cache, batches=BATCHES, sample_weight=True):
+    """(one device's weights, the wrapper, [(its logs, the wrapper's)])."""
+    def reference():
+        model = mlp()
+        model.compile(optimizer=OPTIMIZERS[name](), loss="mse",
+                      metrics=["mae"])
+        logs = _steps(model, batches, sample_weight)
+        return model.get_weights(), logs
+
+    weights, ref_logs = once(cache, (name, batches, sample_weight), reference)
+    mirrored = keras_mirror.MirroredModel(mlp(), devices=cpus[:n])
+    mirrored.compile(optimizer=OPTIMIZERS[name](), loss="mse",
+                     metrics=["mae"])
+    logs = _steps(mirrored, batches, sample_weight)
+    return weights, mirrored, list(zip(ref_logs, logs))
 
 
 @pytest.mark.parametrize("n", [1, 2, 3, 4])
-def test_adam_steps_equal_single_device_for_each_replica_count(n, cpus):
-    reference, mirrored, losses = _step_both(n, cpus, OPTIMIZERS["adam"])
-    assert max_diff(reference.get_weights(), mirrored.model.get_weights()) \
-        < 1e-5
+def test_adam_steps_equal_single_device_for_each_replica_count(
+        n, cpus, one_device):
+    weights, mirrored, losses = _step_both(n, cpus, "adam", one_device)
+    assert max_diff(weights, mirrored.model.get_weights()) < 1e-5
     assert int(mirrored.optimizer.iterations.numpy()) == len(BATCHES)
     for ref, got in losses:
         assert got["loss"] == pytest.approx(ref["loss"], rel=1e-5, abs=1e-6)
@@ -67,10 +83,9 @@ def test_adam_steps_equal_single_device_for_each_replica_count(n, cpus):
 
 # (Adam at N = 4 is the case above.)
 @pytest.mark.parametrize("name", sorted(set(OPTIMIZERS) - {"adam"}))
-def test_optimizer_options_see_the_global_gradient(name, cpus):
-    reference, mirrored, _ = _step_both(4, cpus, OPTIMIZERS[name])
-    assert max_diff(reference.get_weights(), mirrored.model.get_weights()) \
-        < 1e-5
+def test_optimizer_options_see_the_global_gradient(name, cpus, one_device):
+    weights, mirrored, _ = _step_both(4, cpus, name, one_device)
+    assert max_diff(weights, mirrored.model.get_weights()) < 1e-5
     assert int(mirrored.optimizer.iterations.numpy()) == len(BATCHES)
 
 

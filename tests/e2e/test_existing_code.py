@@ -12,6 +12,7 @@ import keras
 import numpy as np
 import pytest
 from support import guide_models
+from support.helpers import once
 
 import keras_mirror
 
@@ -32,16 +33,19 @@ def _fit(builder, wrap, execution="auto", **fit_kwargs):
     return model, target, history.history, (x, y)
 
 
-# One device's fit of a guide model, by builder: (weights, History logs).
-# Every test reads it the same way, so each process fits it once.
-_SINGLE = {}
+@pytest.fixture(scope="module")
+def one_device():
+    """One device's runs, by case: both paths compare with the same run."""
+    return {}
 
 
-def _single_device(builder):
-    if builder.__name__ not in _SINGLE:
-        single, _, logs, _ = _fit(builder, wrap=False)
-        _SINGLE[builder.__name__] = (single.get_weights(), logs)
-    return _SINGLE[builder.__name__]
+def _single_device(cache, builder, **fit_kwargs):
+    """(weights, History logs) of one device's fit of a guide model."""
+    def fit():
+        single, _, logs, _ = _fit(builder, wrap=False, **fit_kwargs)
+        return single.get_weights(), logs
+
+    return once(cache, (builder.__name__, *sorted(fit_kwargs)), fit)
 
 
 def _weights(model_or_weights):
@@ -66,9 +70,10 @@ def _assert_logs(single, mirrored, keys=None):
 
 @pytest.mark.parametrize("name", sorted(guide_models.BUILT_IN))
 @pytest.mark.parametrize("execution", ["in_graph", "strategy"])
-def test_guide_models_train_as_on_one_device(name, execution, cpus):
+def test_guide_models_train_as_on_one_device(name, execution, cpus,
+                                             one_device):
     builder = guide_models.BUILT_IN[name]
-    single, logs1 = _single_device(builder)
+    single, logs1 = _single_device(one_device, builder)
     model, mirrored, logs2, _ = _fit(builder, wrap=True, execution=execution)
     assert mirrored.model is model
     _assert_same(single, model)
@@ -94,13 +99,19 @@ def test_own_train_step_is_refused_on_the_in_graph_path(cpus):
 
 
 @pytest.mark.parametrize("execution", ["in_graph", "strategy"])
-def test_evaluate_with_own_test_step_and_compute_loss(execution, cpus):
+def test_evaluate_with_own_test_step_and_compute_loss(execution, cpus,
+                                                      one_device):
+    def evaluate(builder):
+        single, _, _, (x, y) = _fit(builder, wrap=False)
+        return single.evaluate(x, y, batch_size=guide_models.BATCH,
+                               verbose=0, return_dict=True)
+
     for builder in (guide_models.test_step_override,
                     guide_models.compute_loss_override):
-        single, _, _, (x, y) = _fit(builder, wrap=False)
-        model, mirrored, _, _ = _fit(builder, wrap=True, execution=execution)
-        one = single.evaluate(x, y, batch_size=guide_models.BATCH,
-                              verbose=0, return_dict=True)
+        one = once(one_device, ("evaluate", builder.__name__),
+                   lambda: evaluate(builder))
+        model, mirrored, _, (x, y) = _fit(builder, wrap=True,
+                                          execution=execution)
         many = mirrored.evaluate(x, y, batch_size=guide_models.BATCH,
                                  verbose=0, return_dict=True)
         for key in one:
@@ -109,14 +120,16 @@ def test_evaluate_with_own_test_step_and_compute_loss(execution, cpus):
 
 
 @pytest.mark.parametrize("execution", ["in_graph", "strategy"])
-def test_sample_weights_in_the_guide_step_and_builtin(execution, cpus):
+def test_sample_weights_in_the_guide_step_and_builtin(execution, cpus,
+                                                      one_device):
     rng = np.random.default_rng(0)
     sw = rng.uniform(0.1, 2.0, size=(guide_models.ROWS,)).astype("float32")
     builders = [guide_models.custom_objects, guide_models.multi_io]
     if execution == "strategy":
         builders.append(guide_models.guide_train_step)
     for builder in builders:
-        single, _, logs1, _ = _fit(builder, wrap=False, sample_weight=sw)
+        single, logs1 = _single_device(one_device, builder,
+                                       sample_weight=sw)
         model, _, logs2, _ = _fit(builder, wrap=True, execution=execution,
                                   sample_weight=sw)
         _assert_same(single, model)
@@ -157,7 +170,8 @@ def test_explicit_loss_scale_optimizer_is_not_wrapped_twice(cpus):
 
 
 @pytest.mark.parametrize("execution", ["in_graph", "strategy"])
-def test_keras_backup_and_restore_resumes_exactly(execution, cpus, tmp_path):
+def test_keras_backup_and_restore_resumes_exactly(execution, cpus, tmp_path,
+                                                 one_device):
     builder = guide_models.no_config
 
     class Stop(keras.callbacks.Callback):
@@ -165,7 +179,7 @@ def test_keras_backup_and_restore_resumes_exactly(execution, cpus, tmp_path):
             if epoch == 1:
                 raise RuntimeError("interrupted")
 
-    uninterrupted, _ = _single_device(builder)
+    uninterrupted, _ = _single_device(one_device, builder)
     keras.utils.set_random_seed(42)
     model, compile_kwargs, (x, y) = builder()
     model.compile(**compile_kwargs)
@@ -207,11 +221,12 @@ def test_double_wrap_is_refused(cpus):
 
 
 @pytest.mark.parametrize("execution", ["in_graph", "strategy"])
-def test_validation_logs_per_output_equal_one_device(execution, cpus):
+def test_validation_logs_per_output_equal_one_device(execution, cpus,
+                                                     one_device):
     builder = guide_models.multi_io
     _, _, (x, y) = builder()
     val = ([t[:17] for t in x], [t[:17] for t in y])
-    single, _, logs1, _ = _fit(builder, wrap=False, validation_data=val)
+    single, logs1 = _single_device(one_device, builder, validation_data=val)
     model, _, logs2, _ = _fit(builder, wrap=True, execution=execution,
                               validation_data=val)
     assert any(k.startswith("val_out_b") for k in logs1)
@@ -221,7 +236,7 @@ def test_validation_logs_per_output_equal_one_device(execution, cpus):
 
 @pytest.mark.parametrize("execution", ["in_graph", "strategy"])
 def test_a_model_trained_before_wrapping_keeps_its_optimizer_state(
-        execution, cpus):
+        execution, cpus, one_device):
     def run(wrap):
         keras.utils.set_random_seed(42)
         model, compile_kwargs, (x, y) = guide_models.transformer()
@@ -232,7 +247,9 @@ def test_a_model_trained_before_wrapping_keeps_its_optimizer_state(
         target.fit(x, y, batch_size=14, epochs=1, shuffle=False, verbose=0)
         return model
 
-    single, model = run(False), run(True)
+    single = once(one_device, "pretrained",
+                  lambda: run(False).get_weights())
+    model = run(True)
     assert int(model.optimizer.iterations) == 8
     _assert_same(single, model)
 
@@ -247,7 +264,8 @@ def test_own_step_with_synchronized_batchnorm_warns_at_wrap_time(cpus):
 
 
 @pytest.mark.parametrize("execution", ["in_graph", "strategy"])
-def test_keras_hub_causal_lm_built_from_a_config(execution, cpus):
+def test_keras_hub_causal_lm_built_from_a_config(execution, cpus,
+                                                one_device):
     keras_hub = pytest.importorskip("keras_hub")
 
     def build():
@@ -267,9 +285,13 @@ def test_keras_hub_causal_lm_built_from_a_config(execution, cpus):
     x = {"token_ids": tokens[:, :-1].astype("int32"),
          "padding_mask": np.ones((45, 7), "bool")}
     y = tokens[:, 1:].astype("int32")
-    single = build()
-    logs1 = single.fit(x, y, batch_size=14, epochs=2, shuffle=False,
-                       verbose=0).history
+    def fit():
+        single = build()
+        logs = single.fit(x, y, batch_size=14, epochs=2, shuffle=False,
+                          verbose=0).history
+        return single.get_weights(), logs
+
+    single, logs1 = once(one_device, "gpt2", fit)
     lm = build()
     mirrored = keras_mirror.MirroredModel(lm, execution=execution)
     logs2 = mirrored.fit(x, y, batch_size=14, epochs=2, shuffle=False,

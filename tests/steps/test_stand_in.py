@@ -18,6 +18,7 @@ import pytest
 import tensorflow as tf
 from keras import layers
 from keras import ops
+from support.helpers import once
 
 import keras_mirror
 
@@ -153,10 +154,14 @@ def _train(builder, wrap, execution="auto", devices=None, sizes=SIZES):
     return model, target, history.history, _batches(x, y, sizes)
 
 
-def _assert_same_weights(a, b):
+def _assert_weights_equal(weights, model):
     diff = max(float(np.max(np.abs(u - v)))
-               for u, v in zip(a.get_weights(), b.get_weights()))
+               for u, v in zip(weights, model.get_weights()))
     assert diff < TOL, diff
+
+
+def _assert_same_weights(a, b):
+    _assert_weights_equal(a.get_weights(), b)
 
 
 def _assert_logs(single, mirrored):
@@ -165,32 +170,49 @@ def _assert_logs(single, mirrored):
                                    atol=2e-6, err_msg=key)
 
 
+@pytest.fixture(scope="module")
+def one_device():
+    """One device's run of a case, kept for both paths (they compare with
+    the same run): {(builder, sizes): (weights, logs, evaluate, predict)}.
+    """
+    return {}
+
+
+def _single(cache, builder, sizes=SIZES):
+    def run():
+        single, _, logs, ds = _train(builder, wrap=False, sizes=sizes)
+        return (single.get_weights(), logs, single.evaluate(ds, verbose=0),
+                single.predict(ds.map(lambda x, y: x), verbose=0))
+
+    return once(cache, (builder.__name__, sizes), run)
+
+
 @pytest.mark.parametrize("name", sorted(BUILT_IN))
 @pytest.mark.parametrize("execution", ["in_graph", "strategy"])
-def test_every_layer_kind_trains_as_one_device(name, execution, cpus):
-    single, _, logs1, ds = _train(BUILT_IN[name], wrap=False)
-    model, mirrored, logs2, _ = _train(BUILT_IN[name], wrap=True,
-                                       execution=execution)
-    _assert_same_weights(single, model)
+def test_every_layer_kind_trains_as_one_device(name, execution, cpus,
+                                              one_device):
+    weights, logs1, evaluated, predicted = _single(one_device, BUILT_IN[name])
+    model, mirrored, logs2, ds = _train(BUILT_IN[name], wrap=True,
+                                        execution=execution)
+    _assert_weights_equal(weights, model)
     _assert_logs(logs1, logs2)
+    np.testing.assert_allclose(mirrored.evaluate(ds, verbose=0), evaluated,
+                               rtol=2e-5, atol=2e-6)
     np.testing.assert_allclose(
-        mirrored.evaluate(ds, verbose=0), single.evaluate(ds, verbose=0),
-        rtol=2e-5, atol=2e-6)
-    np.testing.assert_allclose(
-        mirrored.predict(ds.map(lambda x, y: x), verbose=0),
-        single.predict(ds.map(lambda x, y: x), verbose=0), atol=1e-5)
+        mirrored.predict(ds.map(lambda x, y: x), verbose=0), predicted,
+        atol=1e-5)
 
 
 @pytest.mark.parametrize("replicas", [2, 3])
 @pytest.mark.parametrize("execution", ["in_graph", "strategy"])
 def test_every_last_batch_size_below_the_replica_count(replicas, execution,
-                                                      cpus):
+                                                      cpus, one_device):
     # B < N, B = N + 1 and every last-batch size 1 .. N-1.
     sizes = (replicas + 1,) + tuple(range(1, replicas)) + (replicas,)
-    single, _, logs1, _ = _train(conv2d, wrap=False, sizes=sizes)
+    weights, logs1, _, _ = _single(one_device, conv2d, sizes)
     model, _, logs2, _ = _train(conv2d, wrap=True, execution=execution,
                                 devices=cpus[:replicas], sizes=sizes)
-    _assert_same_weights(single, model)
+    _assert_weights_equal(weights, model)
     _assert_logs(logs1, logs2)
 
 

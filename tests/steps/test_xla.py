@@ -5,6 +5,7 @@ pass, loss and gradients run as one XLA function; MirroredModel must equal
 one device running XLA within 1e-5, on both paths, with empty shards.
 """
 
+import json
 import os
 import re
 import subprocess
@@ -16,6 +17,7 @@ import pytest
 import tensorflow as tf
 from keras import layers
 from support import helpers
+from support.helpers import once
 
 import keras_mirror
 
@@ -52,6 +54,12 @@ def _data(shape):
     return ds
 
 
+@pytest.fixture(scope="module")
+def one_device():
+    """One device's runs, by case: both paths compare with the same run."""
+    return {}
+
+
 def _train(build, shape, wrap, execution, epochs=2):
     keras.utils.set_random_seed(7)
     model = build()
@@ -68,8 +76,9 @@ def _train(build, shape, wrap, execution, epochs=2):
 @pytest.mark.parametrize("execution", ["in_graph", "strategy"])
 @pytest.mark.parametrize("build,shape", [(_dense, (6,)),
                                          (_convnet, (8, 8, 3))])
-def test_xla_equals_one_device_with_xla(build, shape, execution):
-    one = _train(build, shape, False, execution)
+def test_xla_equals_one_device_with_xla(build, shape, execution, one_device):
+    one = once(one_device, build.__name__,
+               lambda: _train(build, shape, False, execution))
     mirrored = _train(build, shape, True, execution)
     diff = max(float(np.abs(a - b).max()) for a, b in zip(one, mirrored))
     assert diff < TOL
@@ -87,48 +96,63 @@ def test_one_trace_serves_every_replica(execution):
     assert mirrored._xla_last.experimental_get_tracing_count() == 1
 
 
+# The four runs below share one fresh process (one TensorFlow start-up):
+# each fits under its own execution path and `jit_compile`, and the
+# modules XLA dumped during it are its own.
 _SCRIPT = """
-import sys
+import json, os, sys
 import keras, numpy as np
 import keras_mirror
 keras_mirror.logical_cpus(4)
 from keras import layers
-execution, jit = sys.argv[1], {"1": True, "0": False, "auto": "auto"}[
-    sys.argv[2]]
-model = keras.Sequential([keras.Input((6,)), layers.Dense(8),
-                          layers.Dense(3)])
-model.compile("sgd", "mse", jit_compile=jit)
-x, y = np.ones((10, 6), "float32"), np.ones((10, 3), "float32")
-keras_mirror.MirroredModel(model, execution=execution).fit(
-    x, y, batch_size=10, verbose=0)
+dump = sys.argv[1]
+seen, modules = set(), {}
+for execution, jit in json.loads(sys.argv[2]):
+    model = keras.Sequential([keras.Input((6,)), layers.Dense(8),
+                              layers.Dense(3)])
+    model.compile("sgd", "mse", jit_compile=jit)
+    x, y = np.ones((10, 6), "float32"), np.ones((10, 3), "float32")
+    keras_mirror.MirroredModel(model, execution=execution).fit(
+        x, y, batch_size=10, verbose=0)
+    names = set(os.listdir(dump)) if os.path.isdir(dump) else set()
+    modules[f"{execution}-{jit}"] = sorted(names - seen)
+    seen |= names
+print(json.dumps(modules))
 """
+# Uncompiled runs first: a module they dumped could not be an earlier run's.
+_RUNS = [("in_graph", False), ("in_graph", "auto"), ("in_graph", True),
+         ("strategy", True)]
 
 
-def _compiled_modules(tmp_path, execution, jit):
-    """Names of the XLA modules compiled in a fresh process (XLA's dump)."""
-    dump = tmp_path / f"dump_{execution}_{jit}"
+@pytest.fixture(scope="module")
+def compiled_modules(tmp_path_factory):
+    """{"<execution>-<jit_compile>": names of the XLA modules compiled}."""
+    dump = tmp_path_factory.mktemp("xla") / "dump"
     env = dict(os.environ, XLA_FLAGS=f"--xla_dump_to={dump}",
                PYTHONPATH=ROOT, TF_CPP_MIN_LOG_LEVEL="2")
-    proc = subprocess.run([sys.executable, "-c", _SCRIPT, execution, jit],
+    proc = subprocess.run([sys.executable, "-c", _SCRIPT, str(dump),
+                           json.dumps(_RUNS)],
                           env=env, capture_output=True, text=True,
                           timeout=300)
     assert proc.returncode == 0, proc.stderr[-3000:]
-    names = os.listdir(dump) if dump.exists() else []
-    return {m.group(0) for m in map(
-        re.compile(r"module_\d+\.a_inference_\w+?_\d+").match, names) if m}
+    names = json.loads(proc.stdout.strip().splitlines()[-1])
+    pattern = re.compile(r"module_\d+\.a_inference_\w+?_\d+")
+    return {run: {m.group(0) for m in map(pattern.match, files) if m}
+            for run, files in names.items()}
 
 
 @pytest.mark.parametrize("execution", ["in_graph", "strategy"])
-def test_the_replica_function_is_compiled_by_xla(tmp_path, execution):
-    modules = _compiled_modules(tmp_path, execution, "1")
+def test_the_replica_function_is_compiled_by_xla(compiled_modules,
+                                                 execution):
+    modules = compiled_modules[f"{execution}-True"]
     # One module per replica device (XLA compiles per device and shape).
     assert len([m for m in modules if "_inference_work_" in m]) == 4
 
 
-def test_no_xla_when_off_or_auto_on_cpu(tmp_path):
+def test_no_xla_when_off_or_auto_on_cpu(compiled_modules):
     # Keras's "auto" is False on a CPU-only machine, as on one device.
-    assert _compiled_modules(tmp_path, "in_graph", "0") == set()
-    assert _compiled_modules(tmp_path, "in_graph", "auto") == set()
+    assert compiled_modules["in_graph-False"] == set()
+    assert compiled_modules["in_graph-auto"] == set()
 
 
 def test_auto_follows_keras_single_device_rule(monkeypatch):
@@ -156,7 +180,7 @@ def test_own_step_warns_once_that_it_runs_uncompiled(cpus):
 
 
 @pytest.mark.parametrize("execution", ["in_graph", "strategy"])
-def test_masked_output_warns_and_stays_exact(execution):
+def test_masked_output_warns_and_stays_exact(execution, one_device):
     def build():
         return keras.Sequential([
             keras.Input((5, 2)), layers.Masking(0.0),
@@ -166,8 +190,8 @@ def test_masked_output_warns_and_stays_exact(execution):
     x = rng.normal(size=(11, 5, 2)).astype("float32")
     x[:, 3:] = 0.0
     y = rng.normal(size=(11, 5, 3)).astype("float32")
-    weights = []
-    for wrap in (False, True):
+
+    def train(wrap):
         keras.utils.set_random_seed(3)
         model = build()
         model.compile(optimizer="sgd", loss="mse", jit_compile=True)
@@ -177,18 +201,20 @@ def test_masked_output_warns_and_stays_exact(execution):
                 mirrored.fit(x, y, batch_size=6, verbose=0)
         else:
             model.fit(x, y, batch_size=6, verbose=0)
-        weights.append([w.numpy() for w in model.weights])
+        return [w.numpy() for w in model.weights]
+
+    one = once(one_device, "masked", lambda: train(False))
     assert max(float(np.abs(a - b).max())
-               for a, b in zip(*weights)) < TOL
+               for a, b in zip(one, train(True))) < TOL
 
 
 @pytest.mark.parametrize("execution", ["in_graph", "strategy"])
-def test_sparse_gradients_of_an_embedding_with_xla(execution):
+def test_sparse_gradients_of_an_embedding_with_xla(execution, one_device):
     rng = np.random.default_rng(0)
     x = rng.integers(0, 20, (13, 5))
     y = rng.normal(size=(13, 2)).astype("float32")
-    weights = []
-    for wrap in (False, True):
+
+    def train(wrap):
         keras.utils.set_random_seed(1)
         model = keras.Sequential([
             keras.Input((5,), dtype="int32"), layers.Embedding(20, 4),
@@ -197,6 +223,8 @@ def test_sparse_gradients_of_an_embedding_with_xla(execution):
         target = keras_mirror.MirroredModel(
             model, execution=execution) if wrap else model
         target.fit(x, y, batch_size=5, epochs=2, verbose=0, shuffle=False)
-        weights.append(model.get_weights())
+        return model.get_weights()
+
+    one = once(one_device, "embedding", lambda: train(False))
     assert max(float(np.abs(a - b).max())
-               for a, b in zip(*weights)) < TOL
+               for a, b in zip(one, train(True))) < TOL

@@ -75,3 +75,14 @@ def summary_cells(mirrored):
         setting = left or setting
         cells[setting] = f"{cells[setting]} {right}" if not left else right
     return header, cells
+
+
+def once(cache, key, compute):
+    """`compute()`'s result for `key`, computed the first time it is asked.
+
+    For a module-scoped `cache` of one device's runs: a test that runs on
+    both execution paths compares both with the same reference run.
+    """
+    if key not in cache:
+        cache[key] = compute()
+    return cache[key]

@@ -2,10 +2,11 @@
 leaves the model untouched.
 
 `REFUSALS` are mistakes made on a `MirroredModel` that has already trained
-one step (so its optimizer has slots). Each test makes the mistake on it,
-asserts the exact message, then that the weights and the optimizer's
-variables are bit for bit as before, and that the same wrapper trains a
-step afterwards. `tests/test_errors.py` lists them in `docs/errors.md`.
+(so its optimizer has slots), one wrapper per kind for all of them. Each
+test makes the mistake on it, asserts the exact message, then that the
+weights and the optimizer's variables are bit for bit as before, and that
+the same wrapper trains a step afterwards. `tests/test_errors.py` lists
+them in `docs/errors.md`.
 
 Also the tests of `keras_mirror/wrapper/_targets.py`.
 """
@@ -14,6 +15,7 @@ import keras
 import numpy as np
 import pytest
 import tensorflow as tf
+from support.helpers import once
 from support.refusals import REFUSALS
 from support.refusals import X
 from support.refusals import Y
@@ -32,12 +34,19 @@ def path(request):
     return request.param
 
 
+@pytest.fixture(scope="module")
+def wrappers():
+    """One trained wrapper per kind, shared by the refusals: each mistake
+    is made on a wrapper the mistakes before it left untouched."""
+    return {}
+
+
 @pytest.mark.parametrize("name", sorted(REFUSALS))
 def test_refusal_leaves_the_model_untouched(cpus, name, monkeypatch,
-                                            tmp_path):
+                                            tmp_path, wrappers):
     monkeypatch.chdir(tmp_path)
     case = REFUSALS[name]
-    mirrored, y = trained(cpus, case.kind)
+    mirrored, y = once(wrappers, case.kind, lambda: trained(cpus, case.kind))
     before = state(mirrored)
     with pytest.raises(case.error, match=case.match):
         case.make(mirrored, y)
