@@ -11,6 +11,7 @@ import keras
 import numpy as np
 import pytest
 from keras import layers
+from support.helpers import once
 
 import keras_mirror
 
@@ -45,8 +46,10 @@ def _transfer_model():
 
 
 def _weights_equal(a, b):
+    """`a` a model or its weights, `b` a model."""
+    a = a.get_weights() if hasattr(a, "get_weights") else a
     diff = max(float(np.max(np.abs(u - v)))
-               for u, v in zip(a.get_weights(), b.get_weights()))
+               for u, v in zip(a, b.get_weights()))
     assert diff < TOL, diff
 
 
@@ -74,13 +77,24 @@ def _fine_tune(fit_target, model, base, x, y):
     return h1, h2
 
 
-def test_the_fine_tuning_guide_recompiles_after_unfreezing(cpus):
+@pytest.fixture(scope="module")
+def one_device():
+    """One device's runs, by test: both paths compare with the same run."""
+    return {}
+
+
+def test_the_fine_tuning_guide_recompiles_after_unfreezing(cpus, one_device):
     x, y = _data()
-    single, base = _transfer_model()
-    logs1 = _fine_tune(lambda m: m, single, base, x, y)
+
+    def single():
+        model, base = _transfer_model()
+        logs = _fine_tune(lambda m: m, model, base, x, y)
+        return model.get_weights(), logs
+
+    weights, logs1 = once(one_device, "fine_tuning", single)
     model, base = _transfer_model()
     logs2 = _fine_tune(keras_mirror.MirroredModel, model, base, x, y)
-    _weights_equal(single, model)
+    _weights_equal(weights, model)
     for a, b in zip(logs1, logs2):
         _logs_equal(a, b)
     assert min(logs2[1]["val_loss"]) > 0.1  # not the stale tracker's 0
@@ -114,42 +128,49 @@ def _script(target_of, moves):
     return model, logs
 
 
-def _same_script(moves):
-    single, logs1 = _script(lambda m: m, moves)
+def _same_script(moves, cache=None, key=None):
+    """The script on one device and wrapped; with `cache`, one device's run
+    is kept under `key` for the other path."""
+    def single():
+        model, logs = _script(lambda m: m, moves)
+        return model.get_weights(), logs
+
+    weights, logs1 = once(cache, key, single) if cache is not None \
+        else single()
     model, logs2 = _script(keras_mirror.MirroredModel, moves)
-    _weights_equal(single, model)
+    _weights_equal(weights, model)
     for a, b in zip(logs1, logs2):
         _logs_equal(a, b)
     return logs2
 
 
-def test_a_new_loss_after_wrapping_trains(cpus):
+def test_a_new_loss_after_wrapping_trains(cpus, one_device):
     logs = _same_script(lambda m: m.compile(
-        optimizer=keras.optimizers.SGD(0.05), loss="mae"))
+        optimizer=keras.optimizers.SGD(0.05), loss="mae"), one_device, "mae")
     # MAE logged as MAE (the compiled metric equals the loss now).
     np.testing.assert_allclose(logs[1]["loss"], logs[1]["mae"], rtol=1e-5)
 
 
-def test_a_new_optimizer_and_steps_per_execution(cpus):
+def test_a_new_optimizer_and_steps_per_execution(cpus, one_device):
     _same_script(lambda m: m.compile(
         optimizer=keras.optimizers.Adam(1e-2), loss="mse", metrics=["mae"],
-        steps_per_execution=2))
+        steps_per_execution=2), one_device, "adam_spe")
 
 
-def test_a_learning_rate_set_between_calls(cpus):
+def test_a_learning_rate_set_between_calls(cpus, one_device):
     def moves(model):
         model.optimizer.learning_rate = 0.2
 
-    _same_script(moves)
+    _same_script(moves, one_device, "learning_rate")
 
 
-def test_trainable_changed_and_recompiled(cpus):
+def test_trainable_changed_and_recompiled(cpus, one_device):
     def moves(model):
         model.layers[0].trainable = False
         model.compile(optimizer=keras.optimizers.SGD(0.05), loss="mse",
                       metrics=["mae"])
 
-    _same_script(moves)
+    _same_script(moves, one_device, "trainable")
 
 
 def test_trainable_changed_without_recompile_warns_as_keras_does(cpus):
