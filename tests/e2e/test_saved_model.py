@@ -19,40 +19,50 @@ import keras_mirror
 pytestmark = pytest.mark.usefixtures("execution")
 
 
-def _trained(cpus):
-    mirrored = keras_mirror.MirroredModel(mlp(), devices=cpus)
+def _trained(cpus, execution="auto"):
+    mirrored = keras_mirror.MirroredModel(mlp(), devices=cpus,
+                                          execution=execution)
     mirrored.compile(optimizer="adam", loss="mse")
     x, y, _ = data(30)
     mirrored.fit(x, y, batch_size=7, epochs=2, verbose=0)
     return mirrored, x
 
 
+_LOAD = textwrap.dedent("""
+    import sys, json
+    import numpy as np, keras
+    results = {}
+    for name in json.loads(sys.argv[1]):
+        model = keras.saving.load_model(f"{name}.keras", safe_mode=True)
+        got = model.predict(np.load(f"{name}_x.npy"), verbose=0)
+        expected = np.load(f"{name}_expected.npy")
+        results[name] = {"diff": float(np.abs(got - expected).max()),
+                         "class": type(model).__name__}
+    results["keras_mirror_imported"] = "keras_mirror" in sys.modules
+    print(json.dumps(results))
+""")
+
+
+@pytest.mark.parametrize("execution", [None], ids=["both_paths"])
 def test_saved_model_loads_in_a_process_without_keras_mirror(cpus, tmp_path):
-    mirrored, x = _trained(cpus)
-    path = tmp_path / "m.keras"
-    mirrored.save(path)
-    np.save(tmp_path / "x.npy", x)
-    np.save(tmp_path / "expected.npy", mirrored.predict(x, verbose=0))
-    script = textwrap.dedent(f"""
-        import sys, json
-        import numpy as np, keras
-        model = keras.saving.load_model({str(path)!r}, safe_mode=True)
-        x = np.load({str(tmp_path / 'x.npy')!r})
-        got = model.predict(x, verbose=0)
-        expected = np.load({str(tmp_path / 'expected.npy')!r})
-        print(json.dumps({{
-            "diff": float(np.abs(got - expected).max()),
-            "keras_mirror_imported": "keras_mirror" in sys.modules,
-            "class": type(model).__name__}}))
-    """)
+    paths = ("in_graph", "strategy")
+    for path in paths:
+        mirrored, x = _trained(cpus, execution=path)
+        mirrored.save(tmp_path / f"{path}.keras")
+        np.save(tmp_path / f"{path}_x.npy", x)
+        np.save(tmp_path / f"{path}_expected.npy",
+                mirrored.predict(x, verbose=0))
     env = {**os.environ, "TF_CPP_MIN_LOG_LEVEL": "3"}
-    out = subprocess.run([sys.executable, "-c", script], capture_output=True,
-                         text=True, timeout=120, env=env, cwd=tmp_path)
+    out = subprocess.run([sys.executable, "-c", _LOAD, json.dumps(paths)],
+                         capture_output=True, text=True, timeout=120,
+                         env=env, cwd=tmp_path)
     assert out.returncode == 0, out.stderr[-2000:]
     result = json.loads(out.stdout.strip().splitlines()[-1])
-    assert result == {"diff": result["diff"], "keras_mirror_imported": False,
-                      "class": "Sequential"}
-    assert result["diff"] < 1e-6
+    assert result.pop("keras_mirror_imported") is False
+    assert set(result) == set(paths)
+    for path in paths:
+        assert result[path]["class"] == "Sequential", path
+        assert result[path]["diff"] < 1e-6, path
 
 
 def test_weights_round_trip(cpus, tmp_path):
