@@ -173,12 +173,21 @@ def _twice(structure):
         lambda t: None if t is None else _slicing.twice(t), structure)
 
 
-def _evaluate(model, x, y, sample_weight):
-    """(compiled term, [model.losses terms], [output values]) of one batch.
+def _open_batch(once, twice):
+    """Specs that take both `once` and `twice` (a batch, and it repeated):
+    their batch dimension left open, so that one trace serves both."""
+    def spec(a, b):
+        if a is None:
+            return None
+        return tf.type_spec_from_value(a).most_specific_common_supertype(
+            [tf.type_spec_from_value(b)])
 
-    Traced in a `tf.function`, as the steps run: some layers (a
-    `custom_gradient` reading a variable) only run traced.
-    """
+    return tf.nest.map_structure(spec, once, twice)
+
+
+def _terms_function(model):
+    """A `tf.function` of one batch's loss terms (a new one per probe):
+    (compiled total, [each `model.losses` term], {output: its term})."""
 
     @tf.function
     def terms(x, y, sample_weight):
@@ -190,7 +199,32 @@ def _evaluate(model, x, y, sample_weight):
                    for i, v in values}
         return tf.reduce_sum(tf.cast(total, tf.float32)), extras, outputs
 
-    total, extras, outputs = terms(x, y, sample_weight)
+    return terms
+
+
+def _evaluate_both(model, batch):
+    """The loss terms of `batch` and of it repeated twice (`_values`).
+
+    Traced in a `tf.function`, as the steps run (some layers, a
+    `custom_gradient` reading a variable, only run traced), once for both
+    with the batch dimension open; where the model's forward pass cannot
+    trace so (it reads its static batch size), once per batch.
+    """
+    batch = tf.nest.map_structure(
+        lambda t: t if t is None or isinstance(
+            t, (tf.SparseTensor, tf.RaggedTensor)) else tf.convert_to_tensor(t),
+        batch)
+    doubled = _twice(batch)
+    terms = _terms_function(model)
+    try:
+        call = terms.get_concrete_function(*_open_batch(batch, doubled))
+    except Exception:  # noqa: BLE001 - traced per batch below instead
+        call = terms
+    return _values(*call(*batch)), _values(*call(*doubled))
+
+
+def _values(total, extras, outputs):
+    """(compiled term, [model.losses terms], {output: value}) as floats."""
     extras = [float(e) for e in extras]
     return (float(total) - sum(extras), extras,
             {i: float(v) for i, v in outputs.items()})
@@ -250,9 +284,7 @@ def probe(model, batch):
         return Reductions()
     state = _kept_state(model)
     with _NoTracking(model):
-        once = _evaluate(model, x, y, sample_weight)
-        twice = _evaluate(model, _twice(x), _twice(y),
-                          _twice(sample_weight))
+        once, twice = _evaluate_both(model, (x, y, sample_weight))
     for v, value in state:
         v.assign(value)
     extras = _extra_kinds(model, once[1], twice[1])

@@ -216,3 +216,29 @@ def test_add_loss_sum_and_zero_initialised_regulariser():
     assert max_diff(single.get_weights(), mirrored.get_weights()) < 1e-5
     assert mirrored._reductions.extras == ("sum", "mean")
     _assert_same_logs(expected, logs)
+
+
+# The probe runs before any step, on one device: one path is enough.
+@pytest.mark.parametrize("execution", [None], ids=["before_any_step"])
+def test_the_probe_traces_its_pass_once_and_never_warns(monkeypatch, caplog):
+    from keras_mirror.steps import _reductions
+
+    made = []
+    original = _reductions._terms_function
+
+    def recording(model):
+        made.append(original(model))
+        return made[-1]
+
+    monkeypatch.setattr(_reductions, "_terms_function", recording)
+    x, y = _data(8)
+    model = _mlp("mse")
+    model.train_on_batch(x, y)  # built, as `fit` builds it before the probe
+    batch = (tf.constant(x), tf.constant(y), None)
+    # Five probes in a process (five wrappers): TensorFlow's "triggered
+    # tf.function retracing" warning came at five traced calls in a row.
+    with caplog.at_level("WARNING", logger="tensorflow"):
+        kinds = [_reductions.probe(model, batch) for _ in range(5)]
+    assert [(k.outputs, k.extras) for k in kinds] == [(("mean",), ())] * 5
+    assert [f.experimental_get_tracing_count() for f in made] == [1] * 5
+    assert "retracing" not in caplog.text
