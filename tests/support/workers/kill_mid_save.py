@@ -17,6 +17,8 @@ import os
 import signal
 import sys
 
+if __name__ == "__main__":  # not when a test imports this module
+    import _lean  # noqa: F401  (beside this script: before Keras)
 import keras_mirror
 
 keras_mirror.logical_cpus(2)

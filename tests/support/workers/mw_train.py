@@ -34,6 +34,7 @@ if __name__ == "__main__":  # not when a test imports model() and data()
     os.environ["KERAS_MIRROR_CPUS_PER_WORKER"] = sys.argv[
         sys.argv.index("--local-cpus") + 1] \
         if "--local-cpus" in sys.argv else "2"
+    import _lean  # noqa: F401  (beside this script: before Keras)
 
 import keras_mirror  # noqa: E402
 

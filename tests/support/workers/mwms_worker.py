@@ -9,6 +9,8 @@ import os
 
 os.environ.setdefault("TF_CPP_MIN_LOG_LEVEL", "2")
 
+if __name__ == "__main__":  # not when a test imports this module
+    import _lean  # noqa: F401  (beside this script: before Keras)
 import tensorflow as tf  # noqa: E402
 
 from keras_mirror import launch  # noqa: E402

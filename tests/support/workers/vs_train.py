@@ -26,8 +26,9 @@ import signal
 import sys
 
 os.environ.setdefault("TF_CPP_MIN_LOG_LEVEL", "2")
-if __name__ == "__main__":
+if __name__ == "__main__":  # not when a test imports this module
     os.environ.setdefault("KERAS_MIRROR_CPUS_PER_WORKER", "1")
+    import _lean  # noqa: F401  (beside this script: before Keras)
 
 import keras_mirror  # noqa: E402
 
