@@ -39,13 +39,14 @@ def one_device():
     return {}
 
 
-def _single_device(cache, builder, **fit_kwargs):
-    """(weights, History logs) of one device's fit of a guide model."""
+def _single_device(cache, builder, case="fit", **fit_kwargs):
+    """(weights, History logs) of one device's fit of a guide model; kept
+    under (builder, `case`): one `case` is one set of `fit_kwargs`."""
     def fit():
         single, _, logs, _ = _fit(builder, wrap=False, **fit_kwargs)
         return single.get_weights(), logs
 
-    return once(cache, (builder.__name__, *sorted(fit_kwargs)), fit)
+    return once(cache, (builder.__name__, case), fit)
 
 
 def _weights(model_or_weights):
@@ -128,7 +129,7 @@ def test_sample_weights_in_the_guide_step_and_builtin(execution, cpus,
     if execution == "strategy":
         builders.append(guide_models.guide_train_step)
     for builder in builders:
-        single, logs1 = _single_device(one_device, builder,
+        single, logs1 = _single_device(one_device, builder, "weighted",
                                        sample_weight=sw)
         model, _, logs2, _ = _fit(builder, wrap=True, execution=execution,
                                   sample_weight=sw)
@@ -226,7 +227,8 @@ def test_validation_logs_per_output_equal_one_device(execution, cpus,
     builder = guide_models.multi_io
     _, _, (x, y) = builder()
     val = ([t[:17] for t in x], [t[:17] for t in y])
-    single, logs1 = _single_device(one_device, builder, validation_data=val)
+    single, logs1 = _single_device(one_device, builder, "validation",
+                                   validation_data=val)
     model, _, logs2, _ = _fit(builder, wrap=True, execution=execution,
                               validation_data=val)
     assert any(k.startswith("val_out_b") for k in logs1)
