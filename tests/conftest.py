@@ -37,10 +37,20 @@ def _clean_session():
     keras.backend.clear_session(free_memory=False)
 
 
-@pytest.fixture(autouse=True, scope="module")
-def _collect_per_module():
-    yield
-    gc.collect()
+@pytest.hookimpl(trylast=True)  # after the module's fixtures are torn down
+def pytest_runtest_teardown(item, nextitem):
+    """Collects the cycles a module's tests left, once per module."""
+    if nextitem is None or nextitem.module is not item.module:
+        gc.collect()
+
+
+@pytest.fixture(scope="module")
+def one_device():
+    """One device's runs of a module's cases, by key (`support.helpers.once`):
+    a test that runs on both execution paths compares both with the same
+    run. A module that uses it is one xdist group
+    (`support/xdist_groups.py`), so that each run happens once."""
+    return {}
 
 
 @pytest.fixture

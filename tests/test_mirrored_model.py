@@ -34,12 +34,6 @@ OPTIMIZERS = {
 }
 
 
-@pytest.fixture(scope="module")
-def one_device():
-    """One device's runs, by case: both paths compare with the same run."""
-    return {}
-
-
 def _steps(model, batches, sample_weight):
     """`train_on_batch` over consecutive slices of `batches` rows: logs."""
     x, y, sw = data(sum(batches))

@@ -25,6 +25,10 @@ from support import xdist_groups
 @pytest.hookimpl(tryfirst=True)
 def pytest_collection_modifyitems(config, items):
     xdist_groups.group_module_fixtures(items)
+
+@pytest.fixture(scope="module")
+def shared():  # as tests/conftest.py's `one_device`
+    return {{}}
 """
 
 RECORD = """
@@ -45,6 +49,12 @@ def built():
 
 @pytest.mark.parametrize("i", range(4))
 def test_reads(built, request, i):
+    record(request)
+""",
+    # A module-scoped fixture of the conftest: the module is one group too.
+    "test_conftest_fixture.py": RECORD + """
+@pytest.mark.parametrize("i", range(3))
+def test_reads(shared, request, i):
     record(request)
 """,
     # A named group across two modules, and tests of no group.
@@ -68,15 +78,18 @@ def test_free(request, i):
 
 
 def test_groups_run_on_one_worker_each(tmp_path):
+    # Laid out as the suite is: <root>/pytest.ini, <root>/tests/conftest.py.
     (tmp_path / "pytest.ini").write_text("[pytest]\n")
-    (tmp_path / "conftest.py").write_text(CONFTEST)
+    tests = tmp_path / "tests"
+    tests.mkdir()
+    (tests / "conftest.py").write_text(CONFTEST)
     for name, text in MODULES.items():
-        (tmp_path / name).write_text(textwrap.dedent(text))
+        (tests / name).write_text(textwrap.dedent(text))
     where = tmp_path / "where.txt"
     proc = subprocess.run(
         [sys.executable, "-m", "pytest", "-q", "-p", "no:cacheprovider",
          "-n", "3", "--dist", "loadgroup", "-c", str(tmp_path / "pytest.ini"),
-         "--rootdir", str(tmp_path), str(tmp_path)],
+         "--rootdir", str(tmp_path), str(tests)],
         cwd=tmp_path, capture_output=True, text=True, timeout=120,
         env={**os.environ, "WHERE": str(where)})
     assert proc.returncode == 0, proc.stdout[-2000:] + proc.stderr[-2000:]
@@ -87,6 +100,8 @@ def test_groups_run_on_one_worker_each(tmp_path):
         group = nodeid.rpartition("@")[2] if "@" in nodeid else None
         workers[group].add(worker)
         counts[group] += 1
-    assert counts == {"test_fixture": 4, "net": 4, None: 6}, counts
+    assert counts == {"test_fixture": 4, "test_conftest_fixture": 3,
+                      "net": 4, None: 6}, counts
     assert len(workers["test_fixture"]) == 1, workers
+    assert len(workers["test_conftest_fixture"]) == 1, workers
     assert len(workers["net"]) == 1, workers

@@ -33,12 +33,6 @@ def _fit(builder, wrap, execution="auto", **fit_kwargs):
     return model, target, history.history, (x, y)
 
 
-@pytest.fixture(scope="module")
-def one_device():
-    """One device's runs, by case: both paths compare with the same run."""
-    return {}
-
-
 def _single_device(cache, builder, case="fit", **fit_kwargs):
     """(weights, History logs) of one device's fit of a guide model; kept
     under (builder, `case`): one `case` is one set of `fit_kwargs`."""

@@ -38,12 +38,6 @@ def _model():
     return model
 
 
-@pytest.fixture(scope="module")
-def one_device():
-    """One device's runs, by case: both paths compare with the same run."""
-    return {}
-
-
 @pytest.mark.parametrize("rows,batch_size", [(10, 10), (11, 3), (9, 2)])
 def test_sparse_arrays_train_as_on_one_device(cpus, rows, batch_size,
                                               one_device):

@@ -170,14 +170,6 @@ def _assert_logs(single, mirrored):
                                    atol=2e-6, err_msg=key)
 
 
-@pytest.fixture(scope="module")
-def one_device():
-    """One device's run of a case, kept for both paths (they compare with
-    the same run): {(builder, sizes): (weights, logs, evaluate, predict)}.
-    """
-    return {}
-
-
 def _single(cache, builder, sizes=SIZES):
     def run():
         single, _, logs, ds = _train(builder, wrap=False, sizes=sizes)

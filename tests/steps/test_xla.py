@@ -54,12 +54,6 @@ def _data(shape):
     return ds
 
 
-@pytest.fixture(scope="module")
-def one_device():
-    """One device's runs, by case: both paths compare with the same run."""
-    return {}
-
-
 def _train(build, shape, wrap, execution, epochs=2):
     keras.utils.set_random_seed(7)
     model = build()

@@ -18,7 +18,6 @@ def group_module_fixtures(items):
         defs = getattr(item, "_fixtureinfo", None)
         for fixturedefs in (defs.name2fixturedefs.values() if defs else ()):
             fixture = fixturedefs[-1]
-            if fixture.scope == "module" and fixture.baseid not in (
-                    "", "tests"):
+            if fixture.scope == "module":
                 item.add_marker(pytest.mark.xdist_group(item.module.__name__))
                 break

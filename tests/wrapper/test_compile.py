@@ -77,12 +77,6 @@ def _fine_tune(fit_target, model, base, x, y):
     return h1, h2
 
 
-@pytest.fixture(scope="module")
-def one_device():
-    """One device's runs, by test: both paths compare with the same run."""
-    return {}
-
-
 def test_the_fine_tuning_guide_recompiles_after_unfreezing(cpus, one_device):
     x, y = _data()
 
