@@ -2,16 +2,16 @@
 
 Runs W `MultiWorkerMirroredStrategy` workers, each in its own network
 namespace with its own address, joined through a bridge by veth links
-shaped with `tc tbf` to each `--rates` value (`benchmarks/netns.py`), and
-prints, per model and link, ms/step side by side for: one device (global
-batch); the compute alone (W single-device processes at once on B/W rows
-each, no network); the gradient all-reduce alone in fp32 and bf16; native
-Keras `fit` under the strategy; `MirroredModel` fp32 (one all-reduce);
-fp32 in `--pack`-byte buckets, last layers first (overlap with backprop);
-the same buckets made to wait for every gradient (no overlap); bf16
-buckets; and the ring model's time `2(W-1)/W * bytes / rate`. Writes JSON
-and Markdown under `benchmarks/results/` (machine, load, every step time)
-and ends with the line
+shaped with `tc tbf` to each `--rates` value (`benchmarks/netns.py`),
+and prints, per model and link, ms/step side by side for: one device
+(global batch); the compute alone (each worker's plain single-device fit
+of its B/W rows, all at once, no network); the gradient all-reduce alone
+in fp32 and bf16; native Keras `fit` under the strategy; `MirroredModel`
+fp32 (one all-reduce); fp32 in `--pack`-byte buckets, last layers first
+(overlap with backprop); the same buckets made to wait for every
+gradient (no overlap); bf16 buckets; and the ring model's time `2(W-1)/W
+* bytes / rate`. Writes JSON and Markdown under `benchmarks/results/`
+(machine, load, every step time) and ends with the line
 
     comm_bf16/comm_fp32=<r> overlap_step/max(compute,comm)=<r> mirror/native=<r>
 
@@ -122,7 +122,7 @@ def _worker_args(args, model, out_file, role):
 
 
 def measure(args, net, tmp, log):
-    """{model: {"single", "compute", rate: cluster output}}."""
+    """{model: {"single", rate: cluster output with "compute"}}."""
     env = dict(os.environ, TF_CPP_MIN_LOG_LEVEL="2")
     env.pop("TF_CONFIG", None)
     results, port = {}, 23456
@@ -133,16 +133,6 @@ def measure(args, net, tmp, log):
         res["single"] = _run_phase(
             [(_worker_args(args, model, out, "single"), env)], out,
             args.timeout, log)["step_ms"]["single"]
-        print(f"{model}: compute, {args.workers} processes ...", flush=True)
-        outs = [os.path.join(tmp, f"compute{i}.json")
-                for i in range(args.workers)]
-        cmds = [(net.command(i, _worker_args(args, model, o, "compute")),
-                 env) for i, o in enumerate(outs)]
-        _run_phase(cmds, outs[0], args.timeout, log)
-        res["compute"] = []
-        for o in outs:
-            with open(o) as f:
-                res["compute"] += json.load(f)["step_ms"]["single"]
         for rate in args.rates:
             net.set_rate(rate)
             port += 1
@@ -159,6 +149,10 @@ def measure(args, net, tmp, log):
                     dict(env, TF_CONFIG=json.dumps(tf_config))))
             try:
                 res[rate] = _run_phase(cmds, out, args.timeout, log)
+                res[rate]["compute"] = []
+                for i in range(args.workers):
+                    with open(f"{out}.compute{i}.json") as f:
+                        res[rate]["compute"] += json.load(f)
             except (RuntimeError, OSError, ValueError,
                     subprocess.TimeoutExpired) as e:
                 # Recorded, not raised: the other links still run.
@@ -187,7 +181,7 @@ def summarise(args, results):
                    "batch": BATCH[model], "params": cl["params"],
                    "bytes_fp32": cl["bytes_fp32"],
                    "single": _median(res["single"]),
-                   "compute": _median(res["compute"]),
+                   "compute": _median(cl["compute"]),
                    "ring_model": 1000 * 2 * (w - 1) / w * cl["bytes_fp32"]
                    / netns.bytes_per_second(rate)}
             for v, rounds in cl["step_ms"].items():
@@ -295,8 +289,9 @@ def markdown(report):
 
 NOTES = [
     "one device: plain Keras fit of the global batch on one CPU device, "
-    "alone on the machine; compute: W such processes at once, each on its "
-    "B/W rows (the step's compute under the same CPU sharing, no network).",
+    "alone on the machine; compute: each worker's plain single-device fit "
+    "of its B/W rows, all W at once after a collective step (the step's "
+    "compute under the same CPU sharing, no network).",
     "all-reduce fp32/bf16: only the gradient all-reduce of tensors of the "
     "gradients' shapes, one bucket, timed per call (no compute running).",
     "ring model: 2(W-1)/W x gradient bytes / link rate; gRPC and TCP "

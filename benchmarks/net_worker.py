@@ -3,12 +3,10 @@
 usage: net_worker.py ROLE OUT.json --model M --batch B --steps S
                      --warmup K --repeats R [--variants a,b] [--pack P]
 
-ROLE `single` fits the model on one device with the global batch B; ROLE
-`compute` does the same with the batch B/W of one worker (the parent runs
-W of them at once, without any network: the step's compute time under
-the same CPU sharing). ROLE `cluster` is one worker of a
-`MultiWorkerMirroredStrategy` cluster (`TF_CONFIG` set by the parent) and
-runs, in `R` interleaved rounds, the variants:
+ROLE `single` fits the model on one device with the global batch B. ROLE
+`cluster` is one worker of a `MultiWorkerMirroredStrategy` cluster
+(`TF_CONFIG` set by the parent) and runs, in `R` interleaved rounds, the
+variants:
 
 - `comm_fp32`, `comm_bf16`: only the gradient all-reduce (tensors of the
   gradients' shapes, one bucket, as `MirroredModel` sends them), timed
@@ -20,13 +18,19 @@ runs, in `R` interleaved rounds, the variants:
   overlap with backprop;
 - `mirror_serial`: the same buckets, each made to wait for every gradient
   (`allreduce._OVERLAP = False`): compute + communication, no overlap;
-- `mirror_bf16`: buckets of P bytes in bfloat16.
+- `mirror_bf16`: buckets of P bytes in bfloat16;
+
+and, at the end of every round, `compute`: a plain single-device fit of
+the worker's B/W rows, no network. The round's last collective step
+leaves the W workers at it together, so it is the step's compute time
+under the same CPU sharing (it was W extra processes started for it).
 
 Every fit runs `warmup + steps` batches of synthetic data, one epoch; the
 step times are the differences between consecutive `on_train_batch_end`
 times after the warm-up batches. Writes `{variant: [[ms, ...] per
 round]}` and the bytes sent per step to OUT.json (worker 0 only, in
-`cluster`).
+`cluster`); each worker writes its `compute` rounds to
+OUT.json.compute<i>.json.
 """
 
 import argparse
@@ -251,7 +255,9 @@ def cluster(args):
         runners[v] = (lambda m: lambda steps, warmup: fit_ms(
             m, x[:(warmup + steps + 1) * args.batch],
             y[:(warmup + steps + 1) * args.batch], args.batch, warmup))(model)
+    compute = _local(args, args.batch // workers)
     results = {v: [] for v in args.variants}
+    compute_rounds = []
     for r in range(args.repeats):
         order = args.variants[r % len(args.variants):] + \
             args.variants[:r % len(args.variants)]
@@ -260,6 +266,10 @@ def cluster(args):
             results[v].append(runners[v](args.steps, args.warmup))
             allreduce._OVERLAP = True
             print(f"worker {spec.task_index} round {r} {v} done", flush=True)
+        # After a collective step: every worker computes at the same time.
+        compute_rounds.append(compute(args.steps, args.warmup))
+    with open(f"{args.out}.compute{spec.task_index}.json", "w") as f:
+        json.dump(compute_rounds, f)
     timelines = {}
     for v in ("mirror_bucket", "mirror_serial"):
         if v not in runners or not args.trace:
@@ -283,7 +293,9 @@ def cluster(args):
     }
 
 
-def single(args, batch):
+def _local(args, batch):
+    """A plain Keras model on this process's first CPU: a function timing
+    `steps` of its fit on `batch` rows."""
     import tensorflow as tf
 
     rows = (args.warmup + args.steps + 1) * batch
@@ -291,14 +303,21 @@ def single(args, batch):
     with tf.device("/cpu:0"):
         model = build(args.model)
         model.compile(**compile_args())
-    return {"step_ms": {"single": [fit_ms(model, x, y, batch, args.warmup)
+    return lambda steps, warmup: fit_ms(
+        model, x[:(warmup + steps + 1) * batch],
+        y[:(warmup + steps + 1) * batch], batch, warmup)
+
+
+def single(args):
+    run = _local(args, args.batch)
+    return {"step_ms": {"single": [run(args.steps, args.warmup)
                                    for _ in range(args.repeats)]},
             "write": True}
 
 
 def main(argv=None):
     p = argparse.ArgumentParser()
-    p.add_argument("role", choices=("single", "compute", "cluster"))
+    p.add_argument("role", choices=("single", "cluster"))
     p.add_argument("out")
     p.add_argument("--model", default="mlp")
     p.add_argument("--batch", type=int, default=256)
@@ -316,12 +335,7 @@ def main(argv=None):
     if args.role == "cluster" and unknown:
         p.error(f"`--variants` must be among {CLUSTER_VARIANTS}. "
                 f"Received: variants={sorted(unknown)!r}")
-    if args.role == "cluster":
-        out = cluster(args)
-    else:
-        batch = args.batch if args.role == "single" else \
-            args.batch // args.workers
-        out = single(args, batch)
+    out = cluster(args) if args.role == "cluster" else single(args)
     if out.pop("write"):
         with open(args.out, "w") as f:
             json.dump(out, f)
