@@ -9,8 +9,8 @@ of its B/W rows, all at once, no network); the gradient all-reduce alone
 in fp32 and bf16; native Keras `fit` under the strategy; `MirroredModel`
 fp32 (one all-reduce); fp32 in `--pack`-byte buckets, last layers first
 (overlap with backprop); the same buckets made to wait for every
-gradient (no overlap); bf16 buckets; and the ring model's time `2(W-1)/W
-* bytes / rate`. Writes JSON and Markdown under `benchmarks/results/`
+gradient (no overlap); bf16 buckets; and the ring model's time
+`2(W-1)/W * bytes / rate`. Writes JSON and Markdown under `benchmarks/results/`
 (machine, load, every step time) and ends with the line
 
     comm_bf16/comm_fp32=<r> overlap_step/max(compute,comm)=<r> mirror/native=<r>
