@@ -24,6 +24,7 @@ import tensorflow as tf
 from support import helpers
 from support.helpers import own_step_model
 from support.refusals import REFUSALS
+from support.refusals import assert_keras_style
 from support.refusals import trained
 
 import keras_mirror
@@ -885,16 +886,16 @@ def _fit_with_board(cpus):
                  callbacks=[keras_mirror.ReplicaTensorBoard("runs")])
 
 
-@pytest.mark.parametrize("name", sorted(CASES))
+# The `REFUSALS` (mistakes made on a trained wrapper) are asserted the same
+# way by `tests/wrapper/test_validate.py`, on one trained wrapper per kind
+# that they must leave untouched; here they only feed the docs' table.
+@pytest.mark.parametrize("name", sorted(set(CASES) - set(REFUSALS)))
 def test_error(cpus, name, tmp_path, monkeypatch):
     monkeypatch.chdir(tmp_path)
     case = CASES[name]
     with pytest.raises(case.error, match=case.match) as info:
         case.make(cpus)
-    message = str(info.value)
-    assert "Received:" in message
-    assert f"`{case.argument.split('[')[0]}" in message or \
-        case.argument in message
+    assert_keras_style(str(info.value), case.argument)
 
 
 def test_at_least_twenty_cases():

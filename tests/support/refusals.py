@@ -54,6 +54,12 @@ def state(mirrored):
             mirrored.model.variables + mirrored.optimizer.variables]
 
 
+def assert_keras_style(message, argument):
+    """The message names the argument (in backticks) and the value."""
+    assert "Received:" in message
+    assert f"`{argument.split('[')[0]}" in message or argument in message
+
+
 def assert_untouched_and_trains(mirrored, y, before):
     after = state(mirrored)
     assert len(after) == len(before)

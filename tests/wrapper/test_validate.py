@@ -3,10 +3,11 @@ leaves the model untouched.
 
 `REFUSALS` are mistakes made on a `MirroredModel` that has already trained
 (so its optimizer has slots), one wrapper per kind for all of them. Each
-test makes the mistake on it, asserts the exact message, then that the
-weights and the optimizer's variables are bit for bit as before, and that
-the same wrapper trains a step afterwards. `tests/test_errors.py` lists
-them in `docs/errors.md`.
+test makes the mistake on it, asserts the exact message (naming the
+argument and the value received, as every case of `tests/test_errors.py`),
+then that the weights and the optimizer's variables are bit for bit as
+before, and that the same wrapper trains a step afterwards.
+`tests/test_errors.py` lists them in `docs/errors.md`.
 
 Also the tests of `keras_mirror/wrapper/_targets.py`.
 """
@@ -19,6 +20,7 @@ from support.helpers import once
 from support.refusals import REFUSALS
 from support.refusals import X
 from support.refusals import Y
+from support.refusals import assert_keras_style
 from support.refusals import assert_untouched_and_trains
 from support.refusals import in_other_strategy
 from support.refusals import regressor
@@ -48,8 +50,9 @@ def test_refusal_leaves_the_model_untouched(cpus, name, monkeypatch,
     case = REFUSALS[name]
     mirrored, y = once(wrappers, case.kind, lambda: trained(cpus, case.kind))
     before = state(mirrored)
-    with pytest.raises(case.error, match=case.match):
+    with pytest.raises(case.error, match=case.match) as info:
         case.make(mirrored, y)
+    assert_keras_style(str(info.value), case.argument)
     if not case.untouched:
         before = state(mirrored)
     assert_untouched_and_trains(mirrored, y, before)
