@@ -3,7 +3,7 @@
 Keras imports scikit-learn (for `keras.wrappers`) and matplotlib (for
 `keras.visualization`) at start-up whenever they are installed, and the
 test extra installs both (the demo's digits, the docs' figures). No worker
-here uses either, and they cost 1.1-1.5 of the 5.2-5.6 CPU-seconds that
+here uses either, and they cost 1.1-2.0 of the 4.5-5.6 CPU-seconds that
 `import keras_mirror, tensorflow` takes on the 2-core test machine
 (measured), in each of the ~40 worker processes a suite run starts. A
 `None` in `sys.modules` makes them look absent, which Keras checks for.
