@@ -11,25 +11,43 @@ os.environ.setdefault("KERAS_BACKEND", "tensorflow")
 
 import gc  # noqa: E402
 
-import keras  # noqa: E402
 import pytest  # noqa: E402
 from support import xdist_groups  # noqa: E402
 
-import keras_mirror  # noqa: E402
-
 NUM_CPUS = 4
-CPUS = keras_mirror.logical_cpus(NUM_CPUS)
+CPUS = []  # the logical CPU devices' names, set by `pytest_configure`
 
-# TensorFlow and Keras leave ~365,000 objects behind their imports; a full
-# collection walks them all (about 1.5 s idle, 3 s loaded), and Keras's
-# `clear_session()` runs one after every test. Frozen, they are never
-# walked again: a collection sees only what the tests made since.
-gc.collect()
-gc.freeze()
+
+def _xdist_controller(config):
+    """Whether this process only hands the tests to pytest-xdist workers."""
+    return bool(getattr(config.option, "numprocesses", 0)) and not hasattr(
+        config, "workerinput")
+
+
+def pytest_configure(config):
+    """Splits the CPU in each process that runs tests, before any test
+    module is imported.
+
+    The xdist controller runs none: it skips TensorFlow's start-up (about
+    5 CPU-s, measured, while no worker has started yet).
+    """
+    if _xdist_controller(config):
+        return
+    import keras_mirror
+
+    CPUS[:] = keras_mirror.logical_cpus(NUM_CPUS)
+    # TensorFlow and Keras leave ~365,000 objects behind their imports; a
+    # full collection walks them all (about 1.5 s idle, 3 s loaded), and
+    # Keras's `clear_session()` runs one after every test. Frozen, they are
+    # never walked again: a collection sees only what the tests made since.
+    gc.collect()
+    gc.freeze()
 
 
 @pytest.fixture(autouse=True)
 def _clean_session():
+    import keras
+
     keras.utils.set_random_seed(1234)
     yield
     # Keras's graph state goes after every test; the objects it leaves in
@@ -68,6 +86,8 @@ def execution(request, monkeypatch):
     module opts in with `pytestmark = pytest.mark.usefixtures("execution")`
     and proves both paths exact with the same assertions.
     """
+    import keras_mirror
+
     init = keras_mirror.MirroredModel.__init__
 
     def on_path(self, *args, execution="auto", **kwargs):

@@ -334,21 +334,23 @@ def test_step_backup_arguments(kwargs, message):
 @pytest.mark.timeout(120)
 def test_resume_of_a_gan_with_two_optimizers(cpus, tmp_path):
     """A model with its own `train_step`, two optimizers and a seed
-    generator drawing its latent vectors resumes to the uninterrupted run."""
+    generator drawing its latent vectors resumes to one device's
+    uninterrupted run."""
 
-    def run(backup_dir=None, crash_at=None):
+    def run(backup_dir=None, crash_at=None, wrap=True):
         model, compile_kwargs, (x, _) = guide_models.gan()
-        mirrored = keras_mirror.MirroredModel(model, devices=cpus)
-        mirrored.compile(**compile_kwargs)
+        target = keras_mirror.MirroredModel(model, devices=cpus) if wrap \
+            else model
+        target.compile(**compile_kwargs)
         callbacks = [StepBackup(backup_dir)] if backup_dir else []
         if crash_at is not None:
             callbacks.append(_CrashAt(crash_at))
-        mirrored.fit(x, batch_size=8, epochs=2, shuffle=False, verbose=0,
-                     callbacks=callbacks)
+        target.fit(x, batch_size=8, epochs=2, shuffle=False, verbose=0,
+                   callbacks=callbacks)
         return model
 
     keras.utils.set_random_seed(0)
-    reference = run().get_weights()
+    reference = run(wrap=False).get_weights()
     keras.backend.clear_session()
     keras.utils.set_random_seed(0)
     with pytest.raises(_Crash):

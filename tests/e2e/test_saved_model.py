@@ -10,6 +10,7 @@ import keras
 import numpy as np
 import pytest
 from support.helpers import data
+from support.helpers import lean
 from support.helpers import max_diff
 from support.helpers import mlp
 
@@ -53,7 +54,8 @@ def test_saved_model_loads_in_a_process_without_keras_mirror(cpus, tmp_path):
         np.save(tmp_path / f"{path}_expected.npy",
                 mirrored.predict(x, verbose=0))
     env = {**os.environ, "TF_CPP_MIN_LOG_LEVEL": "3"}
-    out = subprocess.run([sys.executable, "-c", _LOAD, json.dumps(paths)],
+    out = subprocess.run([sys.executable, "-c", lean(_LOAD),
+                          json.dumps(paths)],
                          capture_output=True, text=True, timeout=120,
                          env=env, cwd=tmp_path)
     assert out.returncode == 0, out.stderr[-2000:]

@@ -331,8 +331,9 @@ def test_launcher_import_does_not_load_tensorflow():
         "else:\n"
         "    raise SystemExit('no AttributeError')\n")
     env = dict(os.environ, TF_CPP_MIN_LOG_LEVEL="3")
-    done = subprocess.run([sys.executable, "-c", code], capture_output=True,
-                          text=True, timeout=120, env=env)
+    done = subprocess.run([sys.executable, "-c", helpers.lean(code)],
+                          capture_output=True, text=True, timeout=120,
+                          env=env)
     assert done.returncode == 0, done.stderr[-2000:]
 
 

@@ -38,9 +38,13 @@ def _model():
     return model
 
 
-@pytest.mark.parametrize("rows,batch_size", [(10, 10), (11, 3), (9, 2)])
-def test_sparse_arrays_train_as_on_one_device(cpus, rows, batch_size,
-                                              one_device):
+# Empty shards on both paths (11 rows in 3s: 1/1/1/0, then 1/1/0/0); one
+# whole batch (3/3/2/2) and a last row alone (1/0/0/0) on one path each.
+@pytest.mark.parametrize("execution,rows,batch_size", [
+    ("in_graph", 11, 3), ("strategy", 11, 3), ("in_graph", 10, 10),
+    ("strategy", 9, 2)], indirect=["execution"])
+def test_sparse_arrays_train_as_on_one_device(cpus, execution, rows,
+                                              batch_size, one_device):
     x, y = _data(rows)
 
     def reference():
@@ -89,7 +93,11 @@ class _CrashAfter(keras.callbacks.Callback):
             raise _Crash()
 
 
-def test_sparse_arrays_resume_mid_epoch_from_a_step_backup(cpus, tmp_path):
+# The backup and resume are the paths' shared code (`StepBackup`); the
+# sparse shards of both paths are trained above.
+@pytest.mark.parametrize("execution", ["strategy"], indirect=True)
+def test_sparse_arrays_resume_mid_epoch_from_a_step_backup(cpus, execution,
+                                                           tmp_path):
     x, y = _data(11)
     kwargs = dict(batch_size=3, epochs=2, shuffle=False, verbose=0,
                   validation_split=0.2)

@@ -7,7 +7,8 @@ user's model on 0 rows: an empty shard runs one stand-in row that counts for
 nothing (`keras_mirror/steps/_stand_in.py`). Each model here trains on one
 epoch of global batches of 5, 1, 2 and 3 rows (4 replicas: 2/1/1/1, then 1,
 2 and 3 replicas busy) and must equal one device within 1e-5, its logged
-values and its `evaluate` and `predict` too.
+values and its `evaluate` and `predict` too: each layer kind on one of the
+two execution paths, the convolution on both (`PATHS`).
 
 Also the tests of `keras_mirror/steps/_metric_weights.py`.
 """
@@ -179,8 +180,22 @@ def _single(cache, builder, sizes=SIZES):
     return once(cache, (builder.__name__, sizes), run)
 
 
-@pytest.mark.parametrize("name", sorted(BUILT_IN))
-@pytest.mark.parametrize("execution", ["in_graph", "strategy"])
+# A layer runs in the replica's forward and backward pass, which is the
+# same code on both paths (its shard, its stand-in row, its loss share);
+# what surrounds it differs (one graph's `add_n`, or the strategy's mirrored
+# variables and all-reduce). So each kind runs on one path, each path runs
+# half of the kinds, and the convolution runs on both (also below, on 2 and
+# 3 replicas and in the `*_on_batch` methods).
+PATHS = {
+    "conv2d": ("in_graph", "strategy"),
+    "conv3d": ("in_graph",), "depthwise_separable_pooling": ("in_graph",),
+    "layer_norm": ("in_graph",), "lstm_masked": ("in_graph",),
+    "conv1d": ("strategy",), "conv_transpose": ("strategy",),
+    "gru_masked": ("strategy",), "attention": ("strategy",)}
+
+
+@pytest.mark.parametrize("name,execution", [
+    (name, path) for name in sorted(BUILT_IN) for path in PATHS[name]])
 def test_every_layer_kind_trains_as_one_device(name, execution, cpus,
                                               one_device):
     weights, logs1, evaluated, predicted = _single(one_device, BUILT_IN[name])

@@ -132,7 +132,8 @@ def compiled_modules(tmp_path_factory):
     dump = tmp_path_factory.mktemp("xla") / "dump"
     env = dict(os.environ, XLA_FLAGS=f"--xla_dump_to={dump}",
                PYTHONPATH=ROOT, TF_CPP_MIN_LOG_LEVEL="2")
-    proc = subprocess.run([sys.executable, "-c", _SCRIPT, str(dump),
+    proc = subprocess.run([sys.executable, "-c", helpers.lean(_SCRIPT),
+                           str(dump),
                            json.dumps(_RUNS)],
                           env=env, capture_output=True, text=True,
                           timeout=300)

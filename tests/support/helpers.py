@@ -12,6 +12,14 @@ EXAMPLES = ROOT / "examples"
 BENCHMARKS = ROOT / "benchmarks"
 
 
+def lean(code):
+    """`code` for `python -c`, after `workers/_lean.py`: a test's own
+    TensorFlow process starts without Keras's optional imports, as the
+    harness's workers do (1.1-2.0 CPU-s each)."""
+    return (f"import sys\nsys.path.insert(0, {str(WORKERS)!r})\n"
+            "import _lean  # noqa: F401\nsys.path.pop(0)\n" + code)
+
+
 def mlp(regularize=True, seed=0):
     keras.utils.set_random_seed(seed)
     reg = keras.regularizers.L2(0.01) if regularize else None

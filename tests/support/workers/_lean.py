@@ -8,9 +8,9 @@ here uses either, and they cost 1.1-2.0 of the 4.5-5.6 CPU-seconds that
 (measured), in each of the ~40 worker processes a suite run starts. A
 `None` in `sys.modules` makes them look absent, which Keras checks for.
 
-Only the harness's own workers do this; the user-style script
-(`plain_train.py`), the examples and the benchmarks start as users' code
-does.
+Only the harness's own workers and the tests' own `python -c` processes
+(`support.helpers.lean`) do this; the user-style scripts (`plain_train.py`,
+`stock_fit.py`), the examples and the benchmarks start as users' code does.
 """
 
 import sys
