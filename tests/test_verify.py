@@ -17,6 +17,9 @@ from support.helpers import max_diff
 
 import keras_mirror
 
+# Each test runs on both execution paths (conftest.py); a test of code both
+# paths share (`verify`'s own comparison, replay and report) runs on one of
+# them, named by its `parametrize("execution", ..., indirect=True)`.
 pytestmark = pytest.mark.usefixtures("execution")
 
 TOL = 1e-5
@@ -70,7 +73,8 @@ def test_dense_model_is_exact(cpus):
         assert ours == pytest.approx(theirs, rel=TOL)
 
 
-def test_convnet_is_exact(cpus):
+@pytest.mark.parametrize("execution", ["strategy"], indirect=True)
+def test_convnet_is_exact(cpus, execution):
     mirrored = _wrapped(_convnet())
     x, y = _data(30, shape=(8, 8, 2), outputs=3)
     report = mirrored.verify(x, y, batch_size=6, steps=4)
@@ -78,7 +82,8 @@ def test_convnet_is_exact(cpus):
     assert report.max_weight_diff < TOL
 
 
-def test_dropout_is_exact_and_its_seed_state_compared(cpus):
+@pytest.mark.parametrize("execution", ["in_graph"], indirect=True)
+def test_dropout_is_exact_and_its_seed_state_compared(cpus, execution):
     mirrored = _wrapped(_dense(dropout=0.4))
     x, y = _data()
     report = mirrored.verify(x, y, batch_size=9)
@@ -236,7 +241,8 @@ def test_verify_on_an_unbuilt_optimizer_restores_it_empty(cpus):
                if "momentum" in v.path or "velocity" in v.path)
 
 
-def test_datasets_and_generators_replay_the_same_batches(cpus):
+@pytest.mark.parametrize("execution", ["in_graph"], indirect=True)
+def test_datasets_and_generators_replay_the_same_batches(cpus, execution):
     x, y = _data()
     dataset = tf.data.Dataset.from_tensor_slices((x, y)).batch(9)
     mirrored = _wrapped(_dense(dropout=0.2))
@@ -250,7 +256,8 @@ def test_datasets_and_generators_replay_the_same_batches(cpus):
     assert report.exact and report.steps == 4
 
 
-def test_per_replica_batches_are_joined_for_one_device(cpus):
+@pytest.mark.parametrize("execution", ["strategy"], indirect=True)
+def test_per_replica_batches_are_joined_for_one_device(cpus, execution):
     x, y = _data()
     model = _dense()
     mirrored = keras_mirror.MirroredModel(model, batch="per_replica")
@@ -259,7 +266,8 @@ def test_per_replica_batches_are_joined_for_one_device(cpus):
     assert report.exact, report
 
 
-def test_verify_refuses_its_own_arguments(cpus):
+@pytest.mark.parametrize("execution", ["in_graph"], indirect=True)
+def test_verify_refuses_its_own_arguments(cpus, execution):
     mirrored = _wrapped(_dense())
     x, y = _data(8)
     with pytest.raises(ValueError, match="Received: steps=0"):
@@ -271,7 +279,8 @@ def test_verify_refuses_its_own_arguments(cpus):
         mirrored.verify(x, y, tolerance=-1)
 
 
-def test_public_import_paths():
+@pytest.mark.parametrize("execution", ["in_graph"], indirect=True)
+def test_public_import_paths(execution):
     from keras_mirror import VerifyReport
     from keras_mirror.verify import VerifyReport as same
 

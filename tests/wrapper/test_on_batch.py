@@ -15,6 +15,9 @@ from support.helpers import own_step_model
 
 import keras_mirror
 
+# Each test runs on both execution paths (conftest.py); a test of code both
+# paths share (the returned logs' form) runs on one of them, named by its
+# `parametrize("execution", ..., indirect=True)`.
 pytestmark = pytest.mark.usefixtures("execution")
 
 
@@ -26,7 +29,8 @@ def _pair(cpus, metrics=("mae",)):
     return reference, mirrored
 
 
-def test_train_on_batch_unpacks_as_plain_keras(cpus):
+@pytest.mark.parametrize("execution", ["strategy"], indirect=True)
+def test_train_on_batch_unpacks_as_plain_keras(cpus, execution):
     reference, mirrored = _pair(cpus)
     x, y, _ = data(7)
     loss, mae = mirrored.train_on_batch(x, y)
@@ -40,7 +44,8 @@ def test_train_on_batch_unpacks_as_plain_keras(cpus):
     assert mae == pytest.approx(ref_mae, rel=1e-5)
 
 
-def test_a_model_without_metrics_returns_a_scalar(cpus):
+@pytest.mark.parametrize("execution", ["in_graph"], indirect=True)
+def test_a_model_without_metrics_returns_a_scalar(cpus, execution):
     reference, mirrored = _pair(cpus, metrics=())
     x, y, _ = data(5)
     got = mirrored.train_on_batch(x, y)
@@ -49,7 +54,8 @@ def test_a_model_without_metrics_returns_a_scalar(cpus):
     assert isinstance(mirrored.test_on_batch(x, y), float)
 
 
-def test_return_dict_has_plain_keras_keys_and_floats(cpus):
+@pytest.mark.parametrize("execution", ["in_graph"], indirect=True)
+def test_return_dict_has_plain_keras_keys_and_floats(cpus, execution):
     reference, mirrored = _pair(cpus)
     x, y, sw = data(6)
     got = mirrored.train_on_batch(x, y, sample_weight=sw, return_dict=True)

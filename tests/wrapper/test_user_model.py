@@ -17,6 +17,9 @@ from support.helpers import own_step_model
 
 import keras_mirror
 
+# Each test runs on both execution paths (conftest.py); a test of code both
+# paths share (Keras's callbacks reaching the user's model) runs on one of
+# them, named by its `parametrize("execution", ..., indirect=True)`.
 pytestmark = pytest.mark.usefixtures("execution")
 
 TOL = 1e-5
@@ -82,7 +85,8 @@ class _Reach(keras.callbacks.Callback):
             self.model.stop_training = True
 
 
-def test_user_callback_reaches_layers_and_stops_training(cpus):
+@pytest.mark.parametrize("execution", ["strategy"], indirect=True)
+def test_user_callback_reaches_layers_and_stops_training(cpus, execution):
     plain, ours = _Reach(), _Reach()
     single, h1 = _fit(False, lambda: [plain])
     model, h2 = _fit(True, lambda: [ours])
@@ -92,7 +96,8 @@ def test_user_callback_reaches_layers_and_stops_training(cpus):
     assert max_diff(single.get_weights(), model.get_weights()) < TOL
 
 
-def test_the_callback_model_is_the_users_object(cpus):
+@pytest.mark.parametrize("execution", ["in_graph"], indirect=True)
+def test_the_callback_model_is_the_users_object(cpus, execution):
     seen = []
     model = _model()
     model.compile(optimizer="sgd", loss="mse")
@@ -205,7 +210,8 @@ def _tags(log_dir):
     return out
 
 
-def test_tensorboard_writes_plain_keras_tags(cpus, tmp_path):
+@pytest.mark.parametrize("execution", ["strategy"], indirect=True)
+def test_tensorboard_writes_plain_keras_tags(cpus, execution, tmp_path):
     def callbacks(folder):
         return lambda: [keras.callbacks.TensorBoard(
             str(folder), histogram_freq=1, write_graph=False,
