@@ -9,6 +9,8 @@ interleaved; the medians and their ratios are printed side by side.
     python benchmarks/bench_first_step.py --trials 3 --replicas 1 2 4
     python benchmarks/bench_first_step.py --model mlp --replicas 1 4 8 \
         --baseline /path/to/other/checkout --json results.json
+    python benchmarks/bench_first_step.py --model mlp --execution strategy \
+        --replicas 2 4 8 --baseline /path/to/other/checkout
 
 `--baseline` runs every MirroredModel configuration a second time with
 another checkout's `keras_mirror` (its directory put first on
@@ -45,7 +47,7 @@ def _mlp(keras, jit):
     return model, compile_kwargs, (x, y), 256
 
 
-def _trial(replicas, name="wgan_gp", jit=False):
+def _trial(replicas, name="wgan_gp", jit=False, execution="auto"):
     os.environ.setdefault("TF_CPP_MIN_LOG_LEVEL", "3")
     sys.path.insert(0, os.path.join(_ROOT, "tests", "support"))
     import keras_mirror
@@ -62,7 +64,7 @@ def _trial(replicas, name="wgan_gp", jit=False):
         y, batch = None, 14
     model.compile(**compile_kwargs)
     target = model if replicas == 0 else keras_mirror.MirroredModel(
-        model, devices=devices[:replicas])
+        model, devices=devices[:replicas], execution=execution)
     start = time.perf_counter()
     target.fit(x, y, batch_size=batch, epochs=1, steps_per_epoch=1,
                verbose=0)
@@ -74,13 +76,13 @@ def _trial(replicas, name="wgan_gp", jit=False):
     print(json.dumps({"first_step_s": first, "later_step_s": steps}))
 
 
-def _run(replicas, name, jit, root=None):
+def _run(replicas, name, jit, root=None, execution="auto"):
     env = dict(os.environ)
     if root is not None:
         env["PYTHONPATH"] = root
     out = subprocess.run(
-        [sys.executable, __file__, "--trial", str(replicas), "--model", name]
-        + (["--jit"] if jit else []),
+        [sys.executable, __file__, "--trial", str(replicas), "--model", name,
+         "--execution", execution] + (["--jit"] if jit else []),
         capture_output=True, text=True, timeout=1800, env=env)
     if out.returncode != 0:
         raise RuntimeError(out.stderr[-2000:])
@@ -95,12 +97,15 @@ def main(argv=None):
                         choices=["wgan_gp", "mlp"])
     parser.add_argument("--jit", action="store_true",
                         help="compile the model with jit_compile=True")
+    parser.add_argument("--execution", default="auto",
+                        choices=["auto", "in_graph", "strategy"],
+                        help="MirroredModel's execution path")
     parser.add_argument("--baseline", help="another checkout to compare")
     parser.add_argument("--json", help="append the medians to this file")
     parser.add_argument("--trial", type=int, help=argparse.SUPPRESS)
     args = parser.parse_args(argv)
     if args.trial is not None:
-        _trial(args.trial, args.model, args.jit)
+        _trial(args.trial, args.model, args.jit, args.execution)
         return 0
     configs = [(0, None)] + [(n, None) for n in args.replicas]
     if args.baseline:
@@ -109,8 +114,8 @@ def main(argv=None):
     load = []
     for _ in range(args.trials):
         for c in configs:
-            results[c].append(_run(c[0], args.model, args.jit,
-                                   c[1])["first_step_s"])
+            results[c].append(_run(c[0], args.model, args.jit, c[1],
+                                   args.execution)["first_step_s"])
             load.append(os.getloadavg()[0])
     _print(args, results, load)
     return 0
@@ -119,7 +124,8 @@ def main(argv=None):
 def _print(args, results, load):
     medians = {c: statistics.median(t) for c, t in results.items()}
     single = medians[(0, None)]
-    print(f"model={args.model} jit_compile={args.jit}, load average "
+    print(f"model={args.model} jit_compile={args.jit} "
+          f"execution={args.execution}, load average "
           f"{' '.join(f'{v:.2f}' for v in os.getloadavg())} (1-min load "
           f"during the trials {min(load):.1f}-{max(load):.1f}), medians of "
           f"{args.trials} interleaved fresh-process trials")
@@ -140,6 +146,7 @@ def _print(args, results, load):
                      "trials": results[(n, root)]})
     if args.json:
         record = {"model": args.model, "jit_compile": args.jit,
+                  "execution": args.execution,
                   "trials": args.trials, "load_during": [min(load),
                                                          max(load)],
                   "one_device_s": single, "one_device_trials":

@@ -73,6 +73,7 @@ from keras_mirror._compat.keras_training import _LOSS_MODULE as _LOSS_MODULE
 from keras_mirror._compat.keras_training import _LOSS_SCALERS as _LOSS_SCALERS
 from keras_mirror._compat.keras_training import _LOSS_TRACKER as _LOSS_TRACKER
 from keras_mirror._compat.keras_training import _LOSS_WRAPPER as _LOSS_WRAPPER
+from keras_mirror._compat.keras_training import _MERGE_CALL as _MERGE_CALL
 from keras_mirror._compat.keras_training import _OPT_INDICES as _OPT_INDICES
 from keras_mirror._compat.keras_training import _OPT_VARIABLES as _OPT_VARIABLES
 from keras_mirror._compat.keras_training import _OWN_LOSSES as _OWN_LOSSES
@@ -115,6 +116,9 @@ from keras_mirror._compat.keras_training import (
 from keras_mirror._compat.keras_training import symbolic_build as symbolic_build
 from keras_mirror._compat.keras_training import (
     unscaled_losses as unscaled_losses,
+)
+from keras_mirror._compat.keras_training import (
+    updates_in_place as updates_in_place,
 )
 from keras_mirror._compat.tf_distribute import _AUTO_SHARD as _AUTO_SHARD
 from keras_mirror._compat.tf_distribute import (

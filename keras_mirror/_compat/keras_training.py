@@ -7,6 +7,7 @@ import keras
 from keras_mirror._compat._base import _missing  # noqa: F401
 from keras_mirror._compat._base import _replace_method
 from keras_mirror._compat._base import _require
+from keras_mirror._compat._base import replaced
 
 # The TF backend's optimizer sums gradients across replicas inside `apply`
 # (`TFOptimizer._all_reduce_sum_gradients`). keras-mirror all-reduces them
@@ -114,6 +115,79 @@ def replace_optimizer_clip(optimizer, make_hook):
     """Replaces `optimizer._clip_gradients` by `make_hook(original)`."""
     _replace_method(optimizer, _CLIP_HOOK, make_hook,
                     "all-reduce gradients before clipping")
+
+
+# The TF backend's optimizer applies each variable's update through
+# `tf.distribute`, which under a `MirroredStrategy` enters a `merge_call` and
+# runs the update once per device (a model with V variables on N replicas
+# traces V * N updates): `TFOptimizer` through
+# `tf.__internal__.distribute.interim.maybe_merge_call` (the update, the
+# weight decay, the gradient accumulators) and its `_distribution_strategy`
+# (EMA's weight overwrite calls `extended.update`), `LossScaleOptimizer` when
+# `tf.__internal__.distribute.strategy_supports_no_merge_call()` is False.
+# keras-mirror traces the update once, as a function of one replica's copies
+# of the variables (`steps/_one_update.py`), where a `merge_call` would be
+# refused. In that trace `maybe_merge_call` calls its function at once with a
+# stand-in distribution whose `extended.update(var, fn, ...)` is
+# `fn(var, ...)` (the optimizer's `_distribution_strategy` is the stand-in
+# too) and `strategy_supports_no_merge_call()` is True: each variable's update
+# runs once, on the copy the Keras variable is backed by in the trace.
+_MERGE_CALL_OWNER = "tf.__internal__.distribute.interim"
+_MERGE_CALL = "maybe_merge_call"
+_NO_MERGE_CALL = "strategy_supports_no_merge_call"
+_OPTIMIZER_STRATEGY = "_distribution_strategy"
+
+
+class _InPlaceExtended:
+    @staticmethod
+    def update(var, fn, args=(), kwargs=None, group=True):
+        del group
+        return fn(var, *args, **(kwargs or {}))
+
+
+class _InPlace:
+    """The distribution the optimizer updates through in one trace."""
+
+    extended = _InPlaceExtended()
+
+
+def _in_place_merge_call(fn, strategy, *args, **kwargs):
+    del strategy
+    return fn(_InPlace, *args, **kwargs)
+
+
+def _merge_call_modules():
+    import tensorflow as tf
+
+    purpose = "trace the optimizer's update once for all replicas"
+    interim = tf.__internal__.distribute.interim
+    _require(interim, (_MERGE_CALL,), _MERGE_CALL_OWNER, purpose)
+    _require(tf.__internal__.distribute, (_NO_MERGE_CALL,),
+             "tf.__internal__.distribute", purpose)
+    return interim, tf.__internal__.distribute
+
+
+@contextlib.contextmanager
+def updates_in_place(optimizer):
+    """Within the block, Keras's TF optimizer (and a `LossScaleOptimizer`'s
+    inner one) updates each variable once, as given, without
+    `tf.distribute` (see above)."""
+    interim, distribute = _merge_call_modules()
+    optimizers = [o for o in (optimizer, getattr(optimizer, "inner_optimizer",
+                                                 None)) if o is not None]
+    for o in optimizers:
+        _require(o, (_OPTIMIZER_STRATEGY,), type(o).__name__,
+                 "trace the optimizer's update once for all replicas")
+    saved = [(o, o.__dict__[_OPTIMIZER_STRATEGY]) for o in optimizers]
+    try:
+        for o in optimizers:
+            object.__setattr__(o, _OPTIMIZER_STRATEGY, _InPlace)
+        with replaced(interim, {_MERGE_CALL: _in_place_merge_call}), \
+                replaced(distribute, {_NO_MERGE_CALL: lambda: True}):
+            yield
+    finally:
+        for o, strategy in saved:
+            object.__setattr__(o, _OPTIMIZER_STRATEGY, strategy)
 
 
 def symbolic_build(model, data_batch):

@@ -19,6 +19,7 @@ from keras_mirror.replica_context import ReplicaContext
 from keras_mirror.replica_context import activate
 from keras_mirror.replica_context import active
 from keras_mirror.steps import _one_trace
+from keras_mirror.steps import _one_update
 from keras_mirror.steps import _reductions
 from keras_mirror.steps import _scope
 from keras_mirror.steps import _stand_in
@@ -227,11 +228,14 @@ class ReplicaSteps:
             grads, self._comm_options, self._gradient_dtype)
         ctx = tf.distribute.get_replica_context()
         if self.on_nonfinite == "warn":
-            optimizer.apply(reduced, variables)
+            if not _one_update.apply(self, reduced, variables):
+                optimizer.apply(reduced, variables)
         else:
             total_nonfinite = ctx.all_reduce(tf.distribute.ReduceOp.SUM,
                                              stats["replica_nonfinite"])
-            self._apply(reduced, variables, total_nonfinite)
+            finite = tf.equal(total_nonfinite, 0)
+            if not _one_update.apply(self, reduced, variables, finite):
+                self._apply(reduced, variables, total_nonfinite)
         loss = ctx.all_reduce(tf.distribute.ReduceOp.SUM, contribution)
         packed = arithmetic.pack_stats([stats], keys) if keys else None
         y_pred, mask = _stand_in.real_rows((y_pred, mask), rows)

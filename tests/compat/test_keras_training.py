@@ -171,3 +171,36 @@ def test_initial_epoch_is_where_fit_starts():
     history = model.fit(np.ones((4, 2)), np.ones((4, 1)), epochs=3,
                         verbose=0)
     assert history.epoch == [2]
+
+
+def test_updates_in_place_replace_the_optimizers_merge_call():
+    """Keras's TF optimizer updates through
+    `tf.__internal__.distribute.interim.maybe_merge_call`; in the block it
+    calls its function with the stand-in distribution, whose
+    `extended.update(var, fn, ...)` is `fn(var, ...)`, and the original
+    comes back afterwards."""
+    import inspect
+
+    from keras.src.backend.tensorflow import optimizer as tf_optimizer
+
+    source = inspect.getsource(tf_optimizer.TFOptimizer)
+    assert source.count(f"interim.{_compat._MERGE_CALL}(") >= 2
+    module = tf.__internal__.distribute.interim
+    original = getattr(module, _compat._MERGE_CALL)
+    seen = []
+
+    def fn(distribution, value):
+        return distribution.extended.update(
+            "var", lambda var, x: seen.append((var, x)) or x + 1,
+            args=(value,), group=False)
+
+    with _compat.updates_in_place(keras.optimizers.SGD()):
+        assert module.maybe_merge_call(fn, object(), 41) == 42
+    assert seen == [("var", 41)]
+    assert getattr(module, _compat._MERGE_CALL) is original
+    # A real update under the stand-in: once, on the variable as given.
+    variable = keras.Variable(np.ones(2, "float32"))
+    opt = keras.optimizers.SGD(0.5)
+    with _compat.updates_in_place(opt):
+        opt.apply([tf.ones(2)], [variable])
+    np.testing.assert_allclose(variable.numpy(), [0.5, 0.5])

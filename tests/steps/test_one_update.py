@@ -1,0 +1,171 @@
+"""One update for N replicas (`steps/_one_update.py`), on the strategy path.
+
+The optimizer's `apply` is traced once and every replica calls that trace
+on its own copies of the variables: `update_step` runs once per variable,
+not once per variable and device (stock Keras under a `MirroredStrategy`),
+and the weights equal one device's, with uneven and empty shards (global
+batches of 5, 1, 2, 3 rows over 4 replicas). Where one trace cannot serve
+exactly (a sparse gradient), the step updates per device, as stock Keras
+does, and is still exact. (The optimizers of `tests/test_mirrored_model.py`
+run the same path there.)
+"""
+
+import keras
+import numpy as np
+import pytest
+import tensorflow as tf
+from keras import layers
+
+import keras_mirror
+from keras_mirror.steps import _one_update
+
+TOL = 1e-5
+SIZES = (5, 1, 2, 3)
+
+OPTIMIZERS = {
+    "rmsprop_centered": lambda: keras.optimizers.RMSprop(
+        0.01, momentum=0.5, centered=True),
+    "nadam_clipvalue": lambda: keras.optimizers.Nadam(0.01, clipvalue=0.1),
+    "lion": lambda: keras.optimizers.Lion(0.003),
+    "adafactor": lambda: keras.optimizers.Adafactor(0.05),
+    "sgd_schedule": lambda: keras.optimizers.SGD(
+        keras.optimizers.schedules.ExponentialDecay(0.1, 2, 0.5),
+        momentum=0.9, nesterov=True),
+    # Their updates branch (`ops.cond`). Gradient accumulation failed with
+    # stock Keras's per-device update under a MirroredStrategy (a
+    # `merge_call` inside a `cond`).
+    "loss_scale": lambda: keras.optimizers.LossScaleOptimizer(
+        keras.optimizers.Adam(0.01), initial_scale=64.0),
+    "accumulation": lambda: keras.optimizers.Adam(
+        0.01, gradient_accumulation_steps=3),
+}
+
+
+def _model(embedding=False):
+    if embedding:
+        return keras.Sequential([
+            keras.Input((3,), dtype="int32"), layers.Embedding(10, 4),
+            layers.Flatten(), layers.Dense(3)])
+    return keras.Sequential([
+        keras.Input((6,)),
+        layers.Dense(16, activation="relu",
+                     kernel_constraint=keras.constraints.MaxNorm(0.5)),
+        layers.Dense(3)])
+
+
+def _data(embedding=False):
+    rng = np.random.default_rng(0)
+    rows = sum(SIZES)
+    x = (rng.integers(0, 10, (rows, 3)).astype("int32") if embedding
+         else rng.normal(size=(rows, 6)).astype("float32"))
+    y = rng.normal(size=(rows, 3)).astype("float32")
+    ends = np.cumsum(SIZES)
+    parts = [tf.data.Dataset.from_tensors((x[e - s:e], y[e - s:e]))
+             for s, e in zip(SIZES, ends)]
+    ds = parts[0]
+    for part in parts[1:]:
+        ds = ds.concatenate(part)
+    return ds
+
+
+class _Counted:
+    """Counts the optimizer's `update_step` calls (each one a trace)."""
+
+    def __init__(self, optimizer):
+        inner = getattr(optimizer, "inner_optimizer", None) or optimizer
+        self.calls = 0
+        step = inner.update_step
+
+        def update_step(*args, **kwargs):
+            self.calls += 1
+            return step(*args, **kwargs)
+
+        inner.update_step = update_step
+
+
+def _train(make, wrap, embedding=False, **kwargs):
+    keras.utils.set_random_seed(7)
+    model = _model(embedding)
+    model.compile(optimizer=make(), loss="mse")
+    counted = _Counted(model.optimizer)
+    target = model
+    if wrap:
+        target = keras_mirror.MirroredModel(model, execution="strategy",
+                                            **kwargs)
+    target.fit(_data(embedding), epochs=2, verbose=0)
+    return target, model, counted
+
+
+def _max_diff(a, b):
+    return max(float(np.abs(x - y).max()) for x, y in zip(a, b))
+
+
+@pytest.mark.parametrize("name", sorted(OPTIMIZERS))
+def test_the_update_is_traced_once_for_every_replica(name):
+    _, reference, _ = _train(OPTIMIZERS[name], wrap=False)
+    mirrored, model, counted = _train(OPTIMIZERS[name], wrap=True)
+    assert len(mirrored.devices) == 4
+    update = mirrored._one_update_last
+    assert update.tracing_count() == 1
+    # Once per variable: not once per variable and replica (4 x 4).
+    assert counted.calls == len(model.trainable_variables) == 4
+    assert "_one_update_reason" not in mirrored.__dict__
+    assert _max_diff(reference.get_weights(), model.get_weights()) < TOL
+    for a, b in zip(reference.optimizer.variables, model.optimizer.variables):
+        np.testing.assert_allclose(a.numpy(), b.numpy(), rtol=1e-5,
+                                   atol=1e-6, err_msg=a.path)
+    assert int(model.optimizer.iterations.numpy()) == int(
+        reference.optimizer.iterations.numpy()) > 0
+
+
+def test_a_sparse_gradient_updates_per_device():
+    make = lambda: keras.optimizers.Adam(0.01)  # noqa: E731
+    _, reference, _ = _train(make, wrap=False, embedding=True)
+    mirrored, model, counted = _train(make, wrap=True, embedding=True)
+    assert mirrored._one_update_reason == "a gradient is sparse or missing"
+    assert "_one_update_last" not in mirrored.__dict__
+    # Stock Keras's update: once per variable and replica, per trace.
+    assert counted.calls >= 4 * len(model.trainable_variables)
+    assert _max_diff(reference.get_weights(), model.get_weights()) < TOL
+
+
+def test_a_skipped_step_keeps_every_copy():
+    """`on_nonfinite="skip_step"`: a NaN gradient changes no copy."""
+    keras.utils.set_random_seed(7)
+    model = _model()
+    model.compile(optimizer=keras.optimizers.Adam(0.01), loss="mse")
+    mirrored = keras_mirror.MirroredModel(model, execution="strategy",
+                                          on_nonfinite="skip_step")
+    x = np.ones((5, 6), "float32")
+    y = np.zeros((5, 3), "float32")
+    mirrored.train_on_batch(x, y)
+    before = [np.array(c) for v in model.variables + model.optimizer.variables
+              for c in mirrored._strategy.experimental_local_results(
+                  v.value)]
+    y_nan = y.copy()
+    y_nan[3] = np.nan  # on replica 2 of 4 (shards 2/1/1/1)
+    mirrored.train_on_batch(x, y_nan)
+    after = [np.array(c) for v in model.variables + model.optimizer.variables
+             for c in mirrored._strategy.experimental_local_results(v.value)]
+    assert mirrored._one_update_last.tracing_count() == 1
+    assert "_one_update_reason" not in mirrored.__dict__
+    for a, b in zip(before, after):
+        np.testing.assert_array_equal(a, b)
+    assert int(model.optimizer.iterations.numpy()) == 1
+    mirrored.train_on_batch(x, y)  # a finite step updates again
+    assert int(model.optimizer.iterations.numpy()) == 2
+
+
+def test_reasons_name_what_branches():
+    strategy = tf.distribute.get_strategy()
+    model = _model()
+    model.compile(optimizer="adam", loss="mse")
+    grads = [tf.zeros_like(v) for v in model.trainable_variables]
+    assert _one_update.reason_against(
+        model.optimizer, model.trainable_variables, grads,
+        strategy) == "the optimizer is not built"
+    model.optimizer.build(model.trainable_variables)
+    sparse = [tf.IndexedSlices(tf.zeros((1, 16)), tf.constant([0]))]
+    assert _one_update.reason_against(
+        model.optimizer, model.trainable_variables, sparse + grads[1:],
+        strategy) == "a gradient is sparse or missing"
