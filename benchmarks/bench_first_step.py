@@ -47,6 +47,23 @@ def _mlp(keras, jit):
     return model, compile_kwargs, (x, y), 256
 
 
+def _deep(keras, jit):
+    """A 64-(64 x 16)-10 MLP, batch 256: 34 variables, the optimizer's
+    update a larger part of the first step."""
+    import numpy as np
+
+    layers = [keras.Input((64,))] + [
+        keras.layers.Dense(64, activation="relu") for _ in range(16)]
+    model = keras.Sequential(layers + [keras.layers.Dense(10)])
+    compile_kwargs = dict(optimizer="adam", jit_compile=jit,
+                          loss=keras.losses.SparseCategoricalCrossentropy(
+                              from_logits=True))
+    rng = np.random.default_rng(0)
+    x = rng.standard_normal((1024, 64)).astype("float32")
+    y = rng.integers(0, 10, 1024).astype("int32")
+    return model, compile_kwargs, (x, y), 256
+
+
 def _trial(replicas, name="wgan_gp", jit=False, execution="auto"):
     os.environ.setdefault("TF_CPP_MIN_LOG_LEVEL", "3")
     sys.path.insert(0, os.path.join(_ROOT, "tests", "support"))
@@ -57,8 +74,9 @@ def _trial(replicas, name="wgan_gp", jit=False, execution="auto"):
     import keras
 
     keras.utils.set_random_seed(0)
-    if name == "mlp":
-        model, compile_kwargs, (x, y), batch = _mlp(keras, jit)
+    if name in ("mlp", "deep_mlp"):
+        build = _mlp if name == "mlp" else _deep
+        model, compile_kwargs, (x, y), batch = build(keras, jit)
     else:
         model, compile_kwargs, (x, _) = guide_models.wgan_gp()
         y, batch = None, 14
@@ -94,7 +112,7 @@ def main(argv=None):
     parser.add_argument("--trials", type=int, default=3)
     parser.add_argument("--replicas", type=int, nargs="+", default=[1, 2, 4])
     parser.add_argument("--model", default="wgan_gp",
-                        choices=["wgan_gp", "mlp"])
+                        choices=["wgan_gp", "mlp", "deep_mlp"])
     parser.add_argument("--jit", action="store_true",
                         help="compile the model with jit_compile=True")
     parser.add_argument("--execution", default="auto",
