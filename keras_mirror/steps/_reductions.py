@@ -189,7 +189,9 @@ def _terms_function(model):
     """A `tf.function` of one batch's loss terms (a new one per probe):
     (compiled total, [each `model.losses` term], {output: its term})."""
 
-    @tf.function
+    # Without AutoGraph, as Keras traces its own step (`one_step_on_data` is
+    # `do_not_convert`): the user's layers run unconverted in the probe too.
+    @tf.function(autograph=False)
     def terms(x, y, sample_weight):
         y_pred = model(x, training=False)
         total, values = _call_compute_loss(model, x, y, y_pred,
