@@ -12,8 +12,11 @@ replica's copies of the variables (passed as arguments), with each Keras
 variable backed by its copy during the trace and each variable's update run
 once (`_compat.updates_in_place`); every replica calls that
 `ConcreteFunction` with its own copies. It is the stock update's code, its
-subclasses' own steps included (Nadam's, gradient accumulation, EMA, a
+subclasses' own steps included (Nadam's, gradient accumulation, a
 `LossScaleOptimizer`), and it assigns in place as the stock update does.
+The replacements of `updates_in_place` hold only while the update is
+traced, on the replica thread that traces it (the strategy runs its replica
+threads one at a time).
 
 It writes each replica's copy directly: Keras's model and slot variables
 have aggregation `"none"` (a replica's write is its own), and the step
@@ -25,10 +28,10 @@ optimizer's `apply` runs inside the user's step).
 
 Where it cannot serve, the step applies the gradients as stock Keras does,
 without a word (it is only a start-up cost): `run_eagerly`, an optimizer
-not yet built, a
-sparse or missing gradient, a variable with another aggregation or one not
-copied on every replica, or a trace that fails or reads state it was not
-given (a learning-rate schedule with its own variable).
+not yet built, a sparse or missing gradient, a variable with another
+aggregation or one not copied on every replica, or a trace that fails or
+reads state it was not given (a learning-rate schedule with its own
+variable).
 """
 
 import tensorflow as tf
@@ -89,13 +92,14 @@ class Update:
                     self.optimizer.apply(grads, self.variables)
                 else:
                     tf.cond(finite,
-                            lambda: self._apply_and_count(grads),
+                            lambda: self._applied(grads),
                             lambda: tf.constant(False))
         finally:
             for v, backing in zip(self._everything, backings):
                 _compat.set_backing(v, backing)
 
-    def _apply_and_count(self, grads):
+    def _applied(self, grads):
+        """The `cond` branch that applies `grads` (True: applied)."""
         self.optimizer.apply(grads, self.variables)
         return tf.constant(True)
 
