@@ -31,13 +31,13 @@ _HERE = os.path.dirname(os.path.abspath(__file__))
 _ROOT = os.path.dirname(_HERE)
 
 
-def _mlp(keras, jit):
-    """The 64-256-256-10 MLP on Keras's own step, batch 256."""
+def _classifier(keras, jit, hidden):
+    """An MLP 64-(hidden)-10 on Keras's own step, batch 256."""
     import numpy as np
 
-    model = keras.Sequential([
-        keras.Input((64,)), keras.layers.Dense(256, activation="relu"),
-        keras.layers.Dense(256, activation="relu"), keras.layers.Dense(10)])
+    model = keras.Sequential([keras.Input((64,))] + [
+        keras.layers.Dense(width, activation="relu") for width in hidden]
+        + [keras.layers.Dense(10)])
     compile_kwargs = dict(optimizer="adam", jit_compile=jit,
                           loss=keras.losses.SparseCategoricalCrossentropy(
                               from_logits=True))
@@ -47,21 +47,9 @@ def _mlp(keras, jit):
     return model, compile_kwargs, (x, y), 256
 
 
-def _deep(keras, jit):
-    """A 64-(64 x 16)-10 MLP, batch 256: 34 variables, the optimizer's
-    update a larger part of the first step."""
-    import numpy as np
-
-    layers = [keras.Input((64,))] + [
-        keras.layers.Dense(64, activation="relu") for _ in range(16)]
-    model = keras.Sequential(layers + [keras.layers.Dense(10)])
-    compile_kwargs = dict(optimizer="adam", jit_compile=jit,
-                          loss=keras.losses.SparseCategoricalCrossentropy(
-                              from_logits=True))
-    rng = np.random.default_rng(0)
-    x = rng.standard_normal((1024, 64)).astype("float32")
-    y = rng.integers(0, 10, 1024).astype("int32")
-    return model, compile_kwargs, (x, y), 256
+# "mlp": 64-256-256-10; "deep_mlp": 16 hidden layers of 64, 34 variables
+# (the optimizer's update a larger part of the first step).
+_HIDDEN = {"mlp": (256, 256), "deep_mlp": (64,) * 16}
 
 
 def _trial(replicas, name="wgan_gp", jit=False, execution="auto"):
@@ -74,9 +62,9 @@ def _trial(replicas, name="wgan_gp", jit=False, execution="auto"):
     import keras
 
     keras.utils.set_random_seed(0)
-    if name in ("mlp", "deep_mlp"):
-        build = _mlp if name == "mlp" else _deep
-        model, compile_kwargs, (x, y), batch = build(keras, jit)
+    if name in _HIDDEN:
+        model, compile_kwargs, (x, y), batch = _classifier(
+            keras, jit, _HIDDEN[name])
     else:
         model, compile_kwargs, (x, _) = guide_models.wgan_gp()
         y, batch = None, 14

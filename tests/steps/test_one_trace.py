@@ -11,6 +11,7 @@ import numpy as np
 import pytest
 import tensorflow as tf
 from keras import layers
+from support.helpers import batches
 
 import keras_mirror
 from keras_mirror.steps import _one_trace
@@ -30,13 +31,7 @@ def _data():
     rng = np.random.default_rng(0)
     x = rng.normal(size=(sum(SIZES), 6)).astype("float32")
     y = rng.normal(size=(sum(SIZES), 3)).astype("float32")
-    ends = np.cumsum(SIZES)
-    parts = [tf.data.Dataset.from_tensors((x[e - s:e], y[e - s:e]))
-             for s, e in zip(SIZES, ends)]
-    ds = parts[0]
-    for part in parts[1:]:
-        ds = ds.concatenate(part)
-    return ds
+    return batches(x, y, SIZES)
 
 
 def _train(execution=None, build=_model):

@@ -15,6 +15,8 @@ import numpy as np
 import pytest
 import tensorflow as tf
 from keras import layers
+from support.helpers import batches
+from support.helpers import max_diff
 
 import keras_mirror
 from keras_mirror.steps import _one_update
@@ -59,13 +61,7 @@ def _data(embedding=False):
     x = (rng.integers(0, 10, (rows, 3)).astype("int32") if embedding
          else rng.normal(size=(rows, 6)).astype("float32"))
     y = rng.normal(size=(rows, 3)).astype("float32")
-    ends = np.cumsum(SIZES)
-    parts = [tf.data.Dataset.from_tensors((x[e - s:e], y[e - s:e]))
-             for s, e in zip(SIZES, ends)]
-    ds = parts[0]
-    for part in parts[1:]:
-        ds = ds.concatenate(part)
-    return ds
+    return batches(x, y, SIZES)
 
 
 class _Counted:
@@ -96,10 +92,6 @@ def _train(make, wrap, embedding=False, **kwargs):
     return target, model, counted
 
 
-def _max_diff(a, b):
-    return max(float(np.abs(x - y).max()) for x, y in zip(a, b))
-
-
 @pytest.mark.parametrize("name", sorted(OPTIMIZERS))
 def test_the_update_is_traced_once_for_every_replica(name):
     _, reference, _ = _train(OPTIMIZERS[name], wrap=False)
@@ -110,7 +102,7 @@ def test_the_update_is_traced_once_for_every_replica(name):
     # Once per variable: not once per variable and replica (4 x 4).
     assert counted.calls == len(model.trainable_variables) == 4
     assert "_one_update_reason" not in mirrored.__dict__
-    assert _max_diff(reference.get_weights(), model.get_weights()) < TOL
+    assert max_diff(reference.get_weights(), model.get_weights()) < TOL
     for a, b in zip(reference.optimizer.variables, model.optimizer.variables):
         np.testing.assert_allclose(a.numpy(), b.numpy(), rtol=1e-5,
                                    atol=1e-6, err_msg=a.path)
@@ -126,7 +118,7 @@ def test_a_sparse_gradient_updates_per_device():
     assert "_one_update_last" not in mirrored.__dict__
     # Stock Keras's update: once per variable and replica, per trace.
     assert counted.calls >= 4 * len(model.trainable_variables)
-    assert _max_diff(reference.get_weights(), model.get_weights()) < TOL
+    assert max_diff(reference.get_weights(), model.get_weights()) < TOL
 
 
 def test_a_skipped_step_keeps_every_copy():

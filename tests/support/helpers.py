@@ -38,6 +38,20 @@ def data(rows, seed=1, features=6, outputs=3):
     return x, y, sw
 
 
+def batches(x, y, sizes):
+    """A `tf.data` input of consecutive batches of `sizes` rows of (x, y)."""
+    import numpy as np
+    import tensorflow as tf
+
+    ends = np.cumsum(sizes)
+    parts = [tf.data.Dataset.from_tensors((x[e - s:e], y[e - s:e]))
+             for s, e in zip(sizes, ends)]
+    ds = parts[0]
+    for part in parts[1:]:
+        ds = ds.concatenate(part)
+    return ds
+
+
 def max_diff(a_weights, b_weights):
     return max(float(np.max(np.abs(a - b)))
                for a, b in zip(a_weights, b_weights))
