@@ -89,6 +89,9 @@ from keras_mirror._compat.keras_training import _loss_module as _loss_module
 from keras_mirror._compat.keras_training import (
     disable_optimizer_allreduce as disable_optimizer_allreduce,
 )
+from keras_mirror._compat.keras_training import (
+    finalize_in_place as finalize_in_place,
+)
 from keras_mirror._compat.keras_training import flat_losses as flat_losses
 from keras_mirror._compat.keras_training import (
     has_compiled_loss_or_metrics as has_compiled_loss_or_metrics,

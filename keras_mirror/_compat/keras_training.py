@@ -190,6 +190,44 @@ def updates_in_place(optimizer):
             object.__setattr__(o, _OPTIMIZER_STRATEGY, strategy)
 
 
+# EMA's end of `fit`: Keras calls `finalize_variable_values`, whose TF
+# override writes each model variable through the optimizer's
+# `_distribution_strategy.extended.update` (the default strategy, which cannot
+# update a `MirroredVariable`: "tuple indices must be integers or slices, not
+# MirroredVariable"). For the wrapper's `fit` it runs with the stand-in
+# distribution in the mirroring strategy's scope: each variable is assigned
+# its average once, in the cross-replica context, which writes every copy.
+_FINALIZE = "finalize_variable_values"
+
+
+@contextlib.contextmanager
+def finalize_in_place(optimizer, strategy):
+    """Within the block, `optimizer.finalize_variable_values` writes every
+    replica's copy (see above)."""
+    _require(optimizer, (_FINALIZE, _OPTIMIZER_STRATEGY),
+             type(optimizer).__name__,
+             "overwrite mirrored variables with their moving averages")
+    own = optimizer.__dict__.get(_FINALIZE)
+    finalize = getattr(type(optimizer), _FINALIZE)
+
+    def in_place(var_list):
+        saved = optimizer.__dict__[_OPTIMIZER_STRATEGY]
+        try:
+            object.__setattr__(optimizer, _OPTIMIZER_STRATEGY, _InPlace)
+            with strategy.scope():
+                finalize(optimizer, var_list)
+        finally:
+            object.__setattr__(optimizer, _OPTIMIZER_STRATEGY, saved)
+
+    object.__setattr__(optimizer, _FINALIZE, in_place)
+    try:
+        yield
+    finally:
+        optimizer.__dict__.pop(_FINALIZE, None)
+        if own is not None:
+            optimizer.__dict__[_FINALIZE] = own
+
+
 def symbolic_build(model, data_batch):
     """Builds the model, compiled loss and compiled metrics from a batch."""
     getattr(model, _SYMBOLIC_BUILD)(data_batch=data_batch)

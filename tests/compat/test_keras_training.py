@@ -204,3 +204,30 @@ def test_updates_in_place_replace_the_optimizers_merge_call():
     with _compat.updates_in_place(opt):
         opt.apply([tf.ones(2)], [variable])
     np.testing.assert_allclose(variable.numpy(), [0.5, 0.5])
+
+
+def test_finalize_in_place_writes_through_the_stand_in():
+    """EMA's overwrite goes through the optimizer's `_distribution_strategy`
+    (`TFOptimizer._overwrite_model_variables_with_average_value`); in the
+    block `finalize_variable_values` runs it with the stand-in, in the given
+    strategy's scope, and the instance is as before afterwards."""
+    import inspect
+
+    from keras.src.backend.tensorflow import optimizer as tf_optimizer
+
+    source = inspect.getsource(
+        tf_optimizer.TFOptimizer._overwrite_model_variables_with_average_value)
+    assert "self._distribution_strategy.extended.update(" in source
+    variable = keras.Variable(np.ones(2, "float32"))
+    opt = keras.optimizers.SGD(0.5, use_ema=True)
+    opt.build([variable])
+    opt.apply([tf.ones(2)], [variable])  # variable 0.5, its average 0.5
+    opt.apply([tf.ones(2)], [variable])  # 0.0; 0.99 * 0.5 + 0.01 * 0.0
+    strategy = tf.distribute.get_strategy()
+    before = dict(vars(opt))
+    with _compat.finalize_in_place(opt, strategy):
+        opt.finalize_variable_values([variable])
+    np.testing.assert_allclose(variable.numpy(), [0.495, 0.495], rtol=1e-6)
+    assert "finalize_variable_values" not in vars(opt)
+    assert vars(opt)["_distribution_strategy"] is before[
+        "_distribution_strategy"]

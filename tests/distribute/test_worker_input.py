@@ -9,13 +9,13 @@ weights equal single-device training.
 
 import re
 import sys
-import types
 
 import numpy as np
 import pytest
 from support.multi_worker import WORKER
 from support.multi_worker import assert_equal_single_device
 from support.multi_worker import no_leftover_processes  # noqa: F401
+from support.multi_worker import worker_stub
 
 from keras_mirror import launch as launch_lib
 from keras_mirror.distribute import _worker_input
@@ -42,16 +42,8 @@ def test_each_worker_reads_its_rows_and_trains_like_one_device(
           f"max |w - w_single| = {gap:.3g}")
 
 
-def _worker(position, workers=2, n_local=2):
-    first = position * n_local
-    return types.SimpleNamespace(
-        local_replica_ids=tuple(range(first, first + n_local)),
-        num_replicas=workers * n_local, devices=("a",) * n_local,
-        batch_mode="global", worker_input="shard", num_workers=workers)
-
-
 def test_segments_follow_the_split_plan_and_cover_every_row_once():
-    parts = [_worker_input.segments(_worker(w), 45, 8) for w in (0, 1)]
+    parts = [_worker_input.segments(worker_stub(w), 45, 8) for w in (0, 1)]
     assert parts[0] == [(0, 4), (8, 12), (16, 20), (24, 28), (32, 36),
                         (40, 43)]
     assert parts[1] == [(4, 8), (12, 16), (20, 24), (28, 32), (36, 40),
@@ -71,7 +63,7 @@ def test_segments_follow_the_split_plan_and_cover_every_row_once():
 def test_shard_refusals_name_the_argument(kwargs, message):
     x = np.zeros((10, 6), "float32")
     with pytest.raises(ValueError, match=re.escape(message)):
-        _worker_input.shard_fit_input(_worker(0), x, x, 8, kwargs)
+        _worker_input.shard_fit_input(worker_stub(0), x, x, 8, kwargs)
 
 
 def test_shard_refuses_a_dataset():
@@ -80,5 +72,5 @@ def test_shard_refuses_a_dataset():
     ds = tf.data.Dataset.from_tensor_slices(np.zeros((4, 2))).batch(2)
     with pytest.raises(ValueError, match=re.escape(
             "`worker_input='shard'` reads rows of arrays")):
-        _worker_input.shard_fit_input(_worker(0), ds, None, None,
+        _worker_input.shard_fit_input(worker_stub(0), ds, None, None,
                                       {"shuffle": False})

@@ -70,3 +70,15 @@ def run_workers(out, *args, max_restarts=0):
         [sys.executable, str(WORKER), str(out), *args], 2,
         max_restarts=max_restarts, timeout=80, start_timeout=45,
         grace_period=2)
+
+
+def worker_stub(position, workers=2, n_local=2):
+    """What `distribute._worker_input` reads of a wrapper on worker
+    `position` of `workers`, each with `n_local` replicas."""
+    import types
+
+    first = position * n_local
+    return types.SimpleNamespace(
+        local_replica_ids=tuple(range(first, first + n_local)),
+        num_replicas=workers * n_local, devices=("a",) * n_local,
+        batch_mode="global", worker_input="shard", num_workers=workers)

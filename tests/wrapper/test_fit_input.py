@@ -283,16 +283,16 @@ def test_worker_shards_read_the_counting_pass_and_each_epoch(records):
 def test_worker_rows_of_arrays_are_read_once_per_epoch():
     """`worker_input="shard"` on arrays: each worker slices only its
     segments of each global batch, once per epoch."""
-    from test_worker_input import _worker
+    from support.multi_worker import worker_stub
 
     from keras_mirror.distribute import _worker_input
 
     x = X[:45].view(CountedArray)
     dataset, _, _, _ = _worker_input.shard_fit_input(
-        _worker(0), x, Y[:45], 8, {"shuffle": False})
+        worker_stub(0), x, Y[:45], 8, {"shuffle": False})
     CountedArray.reads = []
     for _ in range(EPOCHS):
         for _ in dataset:
             pass
-    bounds = _worker_input.segments(_worker(0), 45, 8)
+    bounds = _worker_input.segments(worker_stub(0), 45, 8)
     assert CountedArray.reads == [repr(slice(a, b)) for a, b in bounds] * 2
