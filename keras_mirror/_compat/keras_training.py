@@ -168,26 +168,34 @@ def _merge_call_modules():
 
 
 @contextlib.contextmanager
+def _stand_in_strategy(optimizer, purpose):
+    """Within the block, `optimizer` (and a `LossScaleOptimizer`'s inner
+    one) has the stand-in as its `_distribution_strategy`."""
+    optimizers = [o for o in (optimizer, getattr(optimizer, "inner_optimizer",
+                                                 None)) if o is not None]
+    for o in optimizers:
+        _require(o, (_OPTIMIZER_STRATEGY,), type(o).__name__, purpose)
+    saved = [(o, o.__dict__[_OPTIMIZER_STRATEGY]) for o in optimizers]
+    try:
+        for o in optimizers:
+            object.__setattr__(o, _OPTIMIZER_STRATEGY, _InPlace)
+        yield
+    finally:
+        for o, strategy in saved:
+            object.__setattr__(o, _OPTIMIZER_STRATEGY, strategy)
+
+
+@contextlib.contextmanager
 def updates_in_place(optimizer):
     """Within the block, Keras's TF optimizer (and a `LossScaleOptimizer`'s
     inner one) updates each variable once, as given, without
     `tf.distribute` (see above)."""
     interim, distribute = _merge_call_modules()
-    optimizers = [o for o in (optimizer, getattr(optimizer, "inner_optimizer",
-                                                 None)) if o is not None]
-    for o in optimizers:
-        _require(o, (_OPTIMIZER_STRATEGY,), type(o).__name__,
-                 "trace the optimizer's update once for all replicas")
-    saved = [(o, o.__dict__[_OPTIMIZER_STRATEGY]) for o in optimizers]
-    try:
-        for o in optimizers:
-            object.__setattr__(o, _OPTIMIZER_STRATEGY, _InPlace)
-        with replaced(interim, {_MERGE_CALL: _in_place_merge_call}), \
-                replaced(distribute, {_NO_MERGE_CALL: lambda: True}):
-            yield
-    finally:
-        for o, strategy in saved:
-            object.__setattr__(o, _OPTIMIZER_STRATEGY, strategy)
+    with _stand_in_strategy(
+            optimizer, "trace the optimizer's update once for all replicas"), \
+            replaced(interim, {_MERGE_CALL: _in_place_merge_call}), \
+            replaced(distribute, {_NO_MERGE_CALL: lambda: True}):
+        yield
 
 
 # EMA's end of `fit`: Keras calls `finalize_variable_values`, whose TF
@@ -204,20 +212,14 @@ _FINALIZE = "finalize_variable_values"
 def finalize_in_place(optimizer, strategy):
     """Within the block, `optimizer.finalize_variable_values` writes every
     replica's copy (see above)."""
-    _require(optimizer, (_FINALIZE, _OPTIMIZER_STRATEGY),
-             type(optimizer).__name__,
-             "overwrite mirrored variables with their moving averages")
+    purpose = "overwrite mirrored variables with their moving averages"
+    _require(optimizer, (_FINALIZE,), type(optimizer).__name__, purpose)
     own = optimizer.__dict__.get(_FINALIZE)
     finalize = getattr(type(optimizer), _FINALIZE)
 
     def in_place(var_list):
-        saved = optimizer.__dict__[_OPTIMIZER_STRATEGY]
-        try:
-            object.__setattr__(optimizer, _OPTIMIZER_STRATEGY, _InPlace)
-            with strategy.scope():
-                finalize(optimizer, var_list)
-        finally:
-            object.__setattr__(optimizer, _OPTIMIZER_STRATEGY, saved)
+        with _stand_in_strategy(optimizer, purpose), strategy.scope():
+            finalize(optimizer, var_list)
 
     object.__setattr__(optimizer, _FINALIZE, in_place)
     try:
