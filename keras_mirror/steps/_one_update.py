@@ -28,7 +28,7 @@ optimizer's `apply` runs inside the user's step).
 
 Where it cannot serve, the step applies the gradients as stock Keras does,
 without a word (it is only a start-up cost): `run_eagerly`, an optimizer
-not yet built, a sparse or missing gradient, a variable with another
+not yet built, a missing gradient, a variable with another
 aggregation or one not copied on every replica, or a trace that fails or
 reads state it was not given (a learning-rate schedule with its own
 variable).
@@ -52,8 +52,8 @@ def reason_against(optimizer, variables, grads, strategy):
     if not getattr(optimizer, "built", False):
         return "the optimizer is not built"
     if len(grads) != len(variables) or any(
-            not isinstance(g, tf.Tensor) for g in grads):
-        return "a gradient is sparse or missing"
+            not isinstance(g, (tf.Tensor, tf.IndexedSlices)) for g in grads):
+        return "a gradient is missing"
     if tf.executing_eagerly():
         return "the step runs eagerly (`run_eagerly=True`)"
     local = len(strategy.extended.worker_devices)
@@ -119,7 +119,7 @@ class Update:
     def __call__(self, grads, finite=None):
         copies = self._copies()
         if self._concrete is None:
-            specs = (copies, [tf.TensorSpec(g.shape, g.dtype) for g in grads],
+            specs = (copies, [_spec(g, v) for g, v in zip(grads, copies)],
                      None if finite is None else tf.TensorSpec([], tf.bool))
             try:
                 concrete = self.function.get_concrete_function(*specs)
@@ -129,7 +129,7 @@ class Update:
             if concrete.captured_inputs:
                 raise Unserved("the update reads state it was not given")
             self._concrete = concrete
-            self._signature = (tuple(g.dtype for g in grads), finite is None)
+            self._signature = (_kinds(grads), finite is None)
         self._concrete(copies, list(grads), finite)
 
     def serves(self, optimizer, variables, grads, finite):
@@ -140,11 +140,28 @@ class Update:
             return False
         if self._concrete is None:
             return True
-        return self._signature == (tuple(g.dtype for g in grads),
-                                   finite is None)
+        return self._signature == (_kinds(grads), finite is None)
 
     def tracing_count(self):
         return self.function.experimental_get_tracing_count()
+
+
+def _spec(grad, variable):
+    """The argument spec of `grad`, the gradient of `variable`: a sparse
+    gradient (an `Embedding`'s) with any number of rows, so that the
+    replicas' calls (whose row counts differ) share the trace."""
+    if isinstance(grad, tf.IndexedSlices):
+        return tf.IndexedSlicesSpec(
+            shape=variable.shape, dtype=grad.dtype,
+            indices_dtype=grad.indices.dtype,
+            dense_shape_dtype=None if grad.dense_shape is None
+            else grad.dense_shape.dtype, indices_shape=[None])
+    return tf.TensorSpec(grad.shape, grad.dtype)
+
+
+def _kinds(grads):
+    """What a trace's gradients must match: dtype and dense or sparse."""
+    return tuple((g.dtype, isinstance(g, tf.IndexedSlices)) for g in grads)
 
 
 def apply(mirrored, grads, variables, finite=None):

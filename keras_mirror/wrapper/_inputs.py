@@ -239,10 +239,18 @@ def _joined(t):
 
 
 class GroupedPyDataset(keras.utils.PyDataset):
-    """A `PyDataset` whose item `i` joins items `N*i ... N*i+N-1`."""
+    """A `PyDataset` whose item `i` joins items `N*i ... N*i+N-1`.
+
+    It reads with the user's `workers`, `use_multiprocessing` and
+    `max_queue_size`, and passes `on_epoch_begin` and `on_epoch_end` on to
+    the user's dataset (a reshuffle at the end of each epoch), as Keras does
+    with the user's dataset on one device.
+    """
 
     def __init__(self, dataset, num_replicas, first=None):
-        super().__init__()
+        super().__init__(workers=dataset.workers,
+                         use_multiprocessing=dataset.use_multiprocessing,
+                         max_queue_size=dataset.max_queue_size)
         self._dataset = dataset
         self._n = num_replicas
         # Item 0 as read before the first step (`First`): handed to the
@@ -262,6 +270,18 @@ class GroupedPyDataset(keras.utils.PyDataset):
         return tf.nest.map_structure(
             lambda *parts: np.concatenate(parts, axis=0), *items)
 
+    def on_epoch_begin(self):
+        self._dataset.on_epoch_begin()
+
+    def on_epoch_end(self):
+        # Keras calls it before the first epoch too. The item read ahead
+        # may be stale once the user's own `on_epoch_end` ran (a
+        # reshuffle), and a worker process that handed it out did not clear
+        # it here: it is read again then.
+        if type(self._dataset).on_epoch_end is not \
+                keras.utils.PyDataset.on_epoch_end:
+            self._held = None
+        self._dataset.on_epoch_end()
 
     def _item(self, index):
         if index == 0 and self._held is not None:
