@@ -13,7 +13,6 @@ from keras_mirror.distribute import _multi_worker
 from keras_mirror.distribute import _worker_input
 from keras_mirror.distribute import devices as devices_lib
 from keras_mirror.steps import _execution
-from keras_mirror.steps import _one_update
 from keras_mirror.steps import dispatch
 from keras_mirror.steps import own_step
 from keras_mirror.wrapper import _arguments
@@ -234,8 +233,7 @@ class MirroredModel(ReplicaAttributes, _user_model.UserModelState,
             self, x, y, batch_size, epochs, verbose, callbacks,
             validation_data, steps_per_epoch, kwargs)
         backup = step_backup.find(prepared.callbacks)
-        with self._homes.mirrored(), _user_model.saves_through(self), \
-                _one_update.finalizing(self):
+        with self._homes.mirrored(), _user_model.saves_through(self):
             if backup is not None:
                 return backup.resume_fit(
                     self, super().fit, prepared.x, prepared.y,

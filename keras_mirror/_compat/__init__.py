@@ -90,7 +90,7 @@ from keras_mirror._compat.keras_training import (
     disable_optimizer_allreduce as disable_optimizer_allreduce,
 )
 from keras_mirror._compat.keras_training import (
-    finalize_in_place as finalize_in_place,
+    distributes_through as distributes_through,
 )
 from keras_mirror._compat.keras_training import flat_losses as flat_losses
 from keras_mirror._compat.keras_training import (

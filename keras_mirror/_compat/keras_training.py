@@ -168,9 +168,9 @@ def _merge_call_modules():
 
 
 @contextlib.contextmanager
-def _stand_in_strategy(optimizer, purpose):
+def _distributing(optimizer, strategy, purpose):
     """Within the block, `optimizer` (and a `LossScaleOptimizer`'s inner
-    one) has the stand-in as its `_distribution_strategy`."""
+    one) has `strategy` as its `_distribution_strategy`."""
     optimizers = [o for o in (optimizer, getattr(optimizer, "inner_optimizer",
                                                  None)) if o is not None]
     for o in optimizers:
@@ -178,11 +178,28 @@ def _stand_in_strategy(optimizer, purpose):
     saved = [(o, o.__dict__[_OPTIMIZER_STRATEGY]) for o in optimizers]
     try:
         for o in optimizers:
-            object.__setattr__(o, _OPTIMIZER_STRATEGY, _InPlace)
+            object.__setattr__(o, _OPTIMIZER_STRATEGY, strategy)
         yield
     finally:
-        for o, strategy in saved:
-            object.__setattr__(o, _OPTIMIZER_STRATEGY, strategy)
+        for o, previous in saved:
+            object.__setattr__(o, _OPTIMIZER_STRATEGY, previous)
+
+
+def distributes_through(optimizer, strategy):
+    """Within the block, `optimizer` updates through `strategy`, as an
+    optimizer made in its scope does.
+
+    Keras's TF optimizer keeps the strategy of its creation as
+    `_distribution_strategy`; the user's optimizer was made on one device.
+    While its variables are mirrored (`distribute/_homes.py`), code that
+    updates them through it reaches every copy: `SwapEMAWeights`'s swaps
+    (`extended.update` on each variable and its average) and EMA's
+    overwrite at the end of `fit` (`finalize_variable_values`), which the
+    default strategy cannot do on a `MirroredVariable` ("tuple indices must
+    be integers or slices, not MirroredVariable").
+    """
+    return _distributing(optimizer, strategy,
+                         "update mirrored variables through the strategy")
 
 
 @contextlib.contextmanager
@@ -191,43 +208,12 @@ def updates_in_place(optimizer):
     inner one) updates each variable once, as given, without
     `tf.distribute` (see above)."""
     interim, distribute = _merge_call_modules()
-    with _stand_in_strategy(
-            optimizer, "trace the optimizer's update once for all replicas"), \
+    with _distributing(
+            optimizer, _InPlace,
+            "trace the optimizer's update once for all replicas"), \
             replaced(interim, {_MERGE_CALL: _in_place_merge_call}), \
             replaced(distribute, {_NO_MERGE_CALL: lambda: True}):
         yield
-
-
-# EMA's end of `fit`: Keras calls `finalize_variable_values`, whose TF
-# override writes each model variable through the optimizer's
-# `_distribution_strategy.extended.update` (the default strategy, which cannot
-# update a `MirroredVariable`: "tuple indices must be integers or slices, not
-# MirroredVariable"). For the wrapper's `fit` it runs with the stand-in
-# distribution in the mirroring strategy's scope: each variable is assigned
-# its average once, in the cross-replica context, which writes every copy.
-_FINALIZE = "finalize_variable_values"
-
-
-@contextlib.contextmanager
-def finalize_in_place(optimizer, strategy):
-    """Within the block, `optimizer.finalize_variable_values` writes every
-    replica's copy (see above)."""
-    purpose = "overwrite mirrored variables with their moving averages"
-    _require(optimizer, (_FINALIZE,), type(optimizer).__name__, purpose)
-    own = optimizer.__dict__.get(_FINALIZE)
-    finalize = getattr(type(optimizer), _FINALIZE)
-
-    def in_place(var_list):
-        with _stand_in_strategy(optimizer, purpose), strategy.scope():
-            finalize(optimizer, var_list)
-
-    object.__setattr__(optimizer, _FINALIZE, in_place)
-    try:
-        yield
-    finally:
-        optimizer.__dict__.pop(_FINALIZE, None)
-        if own is not None:
-            optimizer.__dict__[_FINALIZE] = own
 
 
 def symbolic_build(model, data_batch):

@@ -15,6 +15,9 @@ afterwards, made from the trained values. So:
   training (a callback reading `model.get_weights()` sees the step's);
 - the user's own `model.fit`, `predict`, `save` keep working on one device
   between wrapper calls, on the trained weights;
+- code that updates a variable through its optimizer's strategy
+  (`SwapEMAWeights`, EMA's overwrite at the end of `fit`) writes every
+  copy, as under stock Keras with the optimizer made in the scope;
 - the wrapper's traced step functions keep the same distributed variables
   from call to call (no retracing), and a variable created during a wrapper
   call (an optimizer's slots) gets its single-device twin on the way out.
@@ -140,15 +143,26 @@ class VariableHomes:
 
     @contextlib.contextmanager
     def mirrored(self):
-        """Within the block the variables are the strategy's (re-entrant)."""
-        if self._depth == 0:
+        """Within the block the variables are the strategy's (re-entrant),
+        and the optimizers update through it, as optimizers made in its
+        scope do (`_compat.distributes_through`)."""
+        if self._depth:
+            self._depth += 1
+            try:
+                yield
+            finally:
+                self._depth -= 1
+            return
+        with contextlib.ExitStack() as optimizers:
+            for optimizer in optimizers_of(self._model):
+                optimizers.enter_context(
+                    _compat.distributes_through(optimizer, self._strategy))
             self._enter()
-        self._depth += 1
-        try:
-            yield
-        finally:
-            self._depth -= 1
-            if self._depth == 0:
+            self._depth += 1
+            try:
+                yield
+            finally:
+                self._depth -= 1
                 self._exit()
 
 

@@ -34,8 +34,6 @@ reads state it was not given (a learning-rate schedule with its own
 variable).
 """
 
-import contextlib
-
 import tensorflow as tf
 
 from keras_mirror import _compat
@@ -188,15 +186,3 @@ def apply(mirrored, grads, variables, finite=None):
         return False
     mirrored.__dict__.pop("_one_update_reason", None)
     return True
-
-
-def finalizing(mirrored):
-    """The context of the wrapper's `fit`: with EMA on the `"strategy"`
-    path, the end of `fit` writes every replica's copy of each variable with
-    its moving average (`_compat.finalize_in_place`), where stock Keras
-    fails on mirrored variables."""
-    optimizer = getattr(mirrored._inner, "optimizer", None)
-    if mirrored._execution != "strategy" or not getattr(
-            optimizer, "use_ema", False):
-        return contextlib.nullcontext()
-    return _compat.finalize_in_place(optimizer, mirrored._strategy)

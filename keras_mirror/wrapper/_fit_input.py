@@ -43,6 +43,7 @@ from keras_mirror.distribute import _worker_input
 from keras_mirror.steps import _capacity
 from keras_mirror.steps import _probing
 from keras_mirror.wrapper import _compile
+from keras_mirror.wrapper import _grouping
 from keras_mirror.wrapper import _inputs
 from keras_mirror.wrapper import _rebuild
 from keras_mirror.wrapper import _validate
@@ -135,10 +136,10 @@ def adapt(mirrored, x, batch_size, first):
         capacity = None
     elif isinstance(x, tf.data.Dataset):
         capacity = capacity_of(x, first)
-        x = _inputs.group_dataset(x, n)
+        x = _grouping.group_dataset(x, n)
     elif isinstance(x, keras.utils.PyDataset):
         capacity = capacity_of(x, first)
-        x = _inputs.GroupedPyDataset(x, n, first)
+        x = _grouping.GroupedPyDataset(x, n, first)
     else:
         capacity = batch_size or 32
         batch_size = capacity * n

@@ -206,11 +206,12 @@ def test_updates_in_place_replace_the_optimizers_merge_call():
     np.testing.assert_allclose(variable.numpy(), [0.5, 0.5])
 
 
-def test_finalize_in_place_writes_through_the_stand_in():
-    """EMA's overwrite goes through the optimizer's `_distribution_strategy`
-    (`TFOptimizer._overwrite_model_variables_with_average_value`); in the
-    block `finalize_variable_values` runs it with the stand-in, in the given
-    strategy's scope, and the instance is as before afterwards."""
+def test_distributes_through_writes_every_mirrored_copy(cpus):
+    """EMA's overwrite and `SwapEMAWeights` update each variable through the
+    optimizer's `_distribution_strategy`; in the block it is the given
+    strategy (a `LossScaleOptimizer`'s inner one's too), so that a
+    `MirroredVariable`'s every copy is written, and afterwards it is the
+    one the optimizer was made with."""
     import inspect
 
     from keras.src.backend.tensorflow import optimizer as tf_optimizer
@@ -218,16 +219,24 @@ def test_finalize_in_place_writes_through_the_stand_in():
     source = inspect.getsource(
         tf_optimizer.TFOptimizer._overwrite_model_variables_with_average_value)
     assert "self._distribution_strategy.extended.update(" in source
-    variable = keras.Variable(np.ones(2, "float32"))
-    opt = keras.optimizers.SGD(0.5, use_ema=True)
-    opt.build([variable])
-    opt.apply([tf.ones(2)], [variable])  # variable 0.5, its average 0.5
-    opt.apply([tf.ones(2)], [variable])  # 0.0; 0.99 * 0.5 + 0.01 * 0.0
-    strategy = tf.distribute.get_strategy()
-    before = dict(vars(opt))
-    with _compat.finalize_in_place(opt, strategy):
-        opt.finalize_variable_values([variable])
-    np.testing.assert_allclose(variable.numpy(), [0.495, 0.495], rtol=1e-6)
-    assert "finalize_variable_values" not in vars(opt)
-    assert vars(opt)["_distribution_strategy"] is before[
-        "_distribution_strategy"]
+    swap = inspect.getsource(keras.callbacks.SwapEMAWeights)
+    assert "optimizer._distribution_strategy.extended.update(" in swap
+    strategy = tf.distribute.MirroredStrategy(cpus[:2])
+    opt = keras.optimizers.LossScaleOptimizer(
+        keras.optimizers.SGD(0.5, use_ema=True))
+    made_with = opt.inner_optimizer._distribution_strategy
+    with _compat.distributes_through(opt, strategy):
+        with strategy.scope():  # the slots colocate through it too
+            variable = keras.Variable(np.ones(2, "float32"))
+            opt.build([variable])
+        assert isinstance(variable.value, tf.distribute.DistributedValues)
+        assert opt._distribution_strategy is strategy
+        inner = opt.inner_optimizer
+        assert inner._distribution_strategy is strategy
+        for average in inner._model_variables_moving_average:
+            average.assign(np.full(2, 0.25, "float32"))
+        inner.finalize_variable_values([variable])
+    for copy in strategy.experimental_local_results(variable.value):
+        np.testing.assert_allclose(np.array(copy), [0.25, 0.25])
+    assert opt.inner_optimizer._distribution_strategy is made_with
+    assert opt._distribution_strategy is made_with

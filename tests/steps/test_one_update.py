@@ -42,8 +42,9 @@ OPTIMIZERS = {
     "accumulation": lambda: keras.optimizers.Adam(
         0.01, gradient_accumulation_steps=3),
     # EMA's end of `fit` failed on mirrored variables ("tuple indices must
-    # be integers or slices, not MirroredVariable"): `_compat.
-    # finalize_in_place` writes every copy with its average.
+    # be integers or slices, not MirroredVariable"): the optimizer updates
+    # through the mirroring strategy while its variables are mirrored
+    # (`_compat.distributes_through`), which writes every copy.
     "ema": lambda: keras.optimizers.Adam(
         0.01, use_ema=True, ema_overwrite_frequency=3),
 }
