@@ -106,6 +106,27 @@ def _rows(draw, shape, ctx):
     return out
 
 
+def _refuse_unseeded(seed, ctx, name):
+    """An unseeded draw (`seed=None`) in a replica step is refused.
+
+    It draws from Keras's global seed generator, which is no variable of
+    the model: each replica would advance it and draw with its own seed (on
+    the `"in_graph"` path the weights drifted 0.06 from one device's in two
+    epochs; on the `"strategy"` path TensorFlow failed with "Mixing
+    different tf.distribute.Strategy objects").
+    """
+    if seed is None:
+        raise ValueError(
+            f"`keras.random.{name}` without a `seed` inside the step draws "
+            "from Keras's global seed generator, which keras-mirror cannot "
+            f"share between the {ctx.num_replicas} replicas: each would "
+            "draw its own numbers. Pass `seed=` a "
+            "`keras.random.SeedGenerator` kept on the layer or model "
+            "(`self.seed_generator = keras.random.SeedGenerator(1337)`; "
+            "exact: one device's numbers, each replica's rows) or an int. "
+            f"Received: seed=None in a `keras.random.{name}` call")
+
+
 def _replacements(module):
     originals = {name: getattr(module, name)
                  for name in _compat.RANDOM_FUNCTIONS + ("draw_seed",)}
@@ -122,6 +143,7 @@ def _replacements(module):
             ctx = _context()
             if ctx is None:
                 return original(shape, *args, seed=seed, **kwargs)
+            _refuse_unseeded(seed, ctx, name)
             drawn = _Drawn(originals["draw_seed"](seed))
             return _rows(lambda s: original(s, *args, seed=drawn, **kwargs),
                          shape, ctx)
@@ -136,6 +158,7 @@ def _replacements(module):
                                         seed=seed)
         # `tf.nn.experimental.stateless_dropout`'s own arithmetic, with the
         # uniform draw made for the global batch.
+        _refuse_unseeded(seed, ctx, "dropout")
         inputs = tf.convert_to_tensor(inputs)
         seed = module._cast_seed(originals["draw_seed"](seed))
         dims = (inputs.shape.as_list() if inputs.shape.rank is not None
@@ -162,6 +185,7 @@ def _replacements(module):
         # Each row's samples depend on the seed, its row index and its own
         # logits only: the shard's logits, placed at its rows of a global
         # batch of logits, sample one device's numbers.
+        _refuse_unseeded(seed, ctx, "categorical")
         drawn = _Drawn(originals["draw_seed"](seed))
         logits = tf.convert_to_tensor(logits)
         b = tf.cast(ctx.shard_size, tf.int32)
@@ -183,6 +207,8 @@ def _replacements(module):
 
     def shuffle(x, axis=0, seed=None):
         ctx = _context()
+        if ctx is not None:
+            _refuse_unseeded(seed, ctx, "shuffle")
         seed = originals["draw_seed"](seed)
         if ctx is not None:
             # Not one device's permutation (that one crosses the shards),

@@ -1,6 +1,9 @@
 """What holds while the replicas' steps are traced, on every path."""
 
 import contextlib
+import warnings
+
+import tensorflow as tf
 
 from keras_mirror import _compat
 from keras_mirror.steps import _metric_weights
@@ -19,11 +22,60 @@ def replica_scope(mirrored):
     - mean metrics updated inside a replica weigh it as one device would
       (`_metric_weights`), an output's loss that is a batch sum as a sum;
     - an empty shard's stand-in row updates no metric and stays out of
-      synchronized BatchNorm's statistics (`_stand_in`).
+      synchronized BatchNorm's statistics (`_stand_in`);
+    - a stateful TF random op in the step (`tf.random.normal`), which
+      draws per replica, is warned about once (`warn_stateful_draws`).
     """
     reductions = getattr(mirrored, "_reductions", None)
     sums = reductions.sum_trackers(mirrored._inner) if reductions else ()
+    graph = tf.compat.v1.get_default_graph()
+    version = graph.version
     with _compat.unscaled_losses(), _random.exact_draws(), \
             _metric_weights.replica_weights(mirrored._inner, sums), \
             _stand_in.exclude_from_moments():
         yield
+    warn_stateful_draws(mirrored, graph, version)
+
+
+# TensorFlow's stateful random ops: each op in each replica's graph keeps its
+# own state, so N replicas draw N sets of numbers where one device drew one
+# (`keras.random` draws are stateless, from a seed generator: exact).
+STATEFUL_RANDOM_OPS = frozenset({
+    "RandomStandardNormal", "RandomUniform", "RandomUniformInt",
+    "TruncatedNormal", "ParameterizedTruncatedNormal", "RandomShuffle",
+    "Multinomial", "RandomGamma", "RandomPoisson", "RandomPoissonV2",
+    "StatefulStandardNormalV2", "StatefulUniform", "StatefulUniformInt",
+    "StatefulUniformFullInt", "StatefulTruncatedNormal",
+    "StatefulRandomBinomial",
+})
+
+
+def stateful_draws(graph, version=None):
+    """The stateful random op types in `graph` (its functions included)
+    added since `version`."""
+    graph_def = graph.as_graph_def(from_version=version)
+    nodes = list(graph_def.node) + [
+        node for function in graph_def.library.function
+        for node in function.node_def]
+    return sorted({n.op for n in nodes if n.op in STATEFUL_RANDOM_OPS})
+
+
+def warn_stateful_draws(mirrored, graph, version):
+    """Warns once per wrapper when a replica step just traced into `graph`
+    draws with stateful TF random ops (more than one replica)."""
+    if mirrored.num_replicas < 2 or not isinstance(graph, tf.Graph) or \
+            mirrored.__dict__.get("_warned_stateful_draws") or \
+            tf.executing_eagerly():
+        return
+    found = stateful_draws(graph, version)
+    if not found:
+        return
+    mirrored.__dict__["_warned_stateful_draws"] = True
+    warnings.warn(
+        "The step draws with stateful TensorFlow random ops "
+        f"({', '.join(found)}; `tf.random.normal` and the like): each of the "
+        f"{mirrored.num_replicas} replicas draws its own numbers, so training "
+        "is not one device's. Draw with `keras.random` and a "
+        "`keras.random.SeedGenerator` (exact: one device's numbers, each "
+        f"replica's rows). Received: ops {found} in the replica step",
+        UserWarning, stacklevel=2)
