@@ -2,6 +2,7 @@
 
 import contextlib
 import warnings
+import weakref
 
 import tensorflow as tf
 
@@ -67,6 +68,13 @@ def warn_stateful_draws(mirrored, graph, version):
             mirrored.__dict__.get("_warned_stateful_draws") or \
             tf.executing_eagerly():
         return
+    # Every replica runs the same code: one look per traced graph (the
+    # strategy path traces each replica into the same graph in turn).
+    scanned = mirrored.__dict__.setdefault("_scanned_graphs",
+                                           weakref.WeakSet())
+    if graph in scanned:
+        return
+    scanned.add(graph)
     found = stateful_draws(graph, version)
     if not found:
         return
