@@ -207,13 +207,13 @@ def _replacements(module):
 
     def shuffle(x, axis=0, seed=None):
         ctx = _context()
-        if ctx is not None:
-            _refuse_unseeded(seed, ctx, "shuffle")
+        if ctx is None:
+            return originals["shuffle"](x, axis=axis, seed=seed)
+        _refuse_unseeded(seed, ctx, "shuffle")
+        # Not one device's permutation (that one crosses the shards), but a
+        # different one on every replica.
         seed = originals["draw_seed"](seed)
-        if ctx is not None:
-            # Not one device's permutation (that one crosses the shards),
-            # but a different one on every replica.
-            seed = seed + tf.cast(tf.stack([0, ctx.replica_id]), seed.dtype)
+        seed = seed + tf.cast(tf.stack([0, ctx.replica_id]), seed.dtype)
         return originals["shuffle"](x, axis=axis, seed=_Drawn(seed))
 
     replacements = {name: shaped(name) for name in _compat.RANDOM_FUNCTIONS

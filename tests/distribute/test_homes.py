@@ -130,9 +130,8 @@ def test_swap_ema_weights_and_the_final_overwrite_as_on_one_device(
     # The averages differ from the trained weights: the swap is visible.
     assert abs(ref_history["val_loss"][-1] - ref_history["loss"][-1]) > 1e-4
     if execution == "strategy":
-        (homes,) = [mirrored._homes]
         for v in model.weights:
-            entry = homes._entries[id(v)]
+            entry = mirrored._homes._entries[id(v)]
             copies = mirrored._strategy.experimental_local_results(entry[2])
             for copy in copies:
                 np.testing.assert_allclose(np.array(copy), v.numpy(),
