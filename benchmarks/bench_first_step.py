@@ -104,7 +104,7 @@ def main(argv=None):
     parser.add_argument("--jit", action="store_true",
                         help="compile the model with jit_compile=True")
     parser.add_argument("--execution", default="auto",
-                        choices=["auto", "in_graph", "strategy"],
+                        choices=["auto", "strategy"],
                         help="MirroredModel's execution path")
     parser.add_argument("--baseline", help="another checkout to compare")
     parser.add_argument("--json", help="append the medians to this file")

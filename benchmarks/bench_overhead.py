@@ -9,7 +9,7 @@ benchmark measures the same ratio paired, in one process:
   Keras `fit`;
 - `mirrored`: the same architecture and initial weights wrapped by
   `keras_mirror.MirroredModel(model, devices=[device])` (the path `"auto"`
-  picks: `in_graph`), with every per-replica statistic on, as users get it;
+  picks: the one `strategy` path), with every per-replica statistic on, as users get it;
 - `nostats`: the same with `replica_stats=False`: the wrapper without the
   statistics, which plain `fit` does not compute either.
 

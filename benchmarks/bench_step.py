@@ -7,8 +7,7 @@ the same global batch of synthetic data:
 - `native`: stock Keras `fit` with the model built and compiled inside
   `tf.distribute.MirroredStrategy(devices)`.
 - `mirrored`: `keras_mirror.MirroredModel(model, devices=devices)`, on the
-  execution path that `execution="auto"` picks (`in_graph` on CPUs of one
-  host, `strategy` on GPUs).
+  one execution path (`strategy`, on every device kind).
 - `mirrored_strategy`: the same with `execution="strategy"`, the
   `tf.distribute.MirroredStrategy` path, for comparison.
 

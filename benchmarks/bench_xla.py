@@ -131,8 +131,8 @@ def main():
     parser.add_argument("--models", nargs="+", default=["mlp", "convnet"])
     parser.add_argument("--replicas", nargs="+", type=int,
                         default=[1, 2, 4])
-    parser.add_argument("--execution", default="in_graph",
-                        choices=["in_graph", "strategy"])
+    parser.add_argument("--execution", default="strategy",
+                        choices=["strategy"])
     parser.add_argument("--batch", type=int, default=256)
     parser.add_argument("--steps", type=int, default=20)
     parser.add_argument("--rounds", type=int, default=7)

@@ -138,7 +138,7 @@ def main(argv=None):
     parser.add_argument("--replicas", type=int, nargs="+", default=[1, 4, 8])
     parser.add_argument("--model", default="mlp", choices=["wgan_gp", "mlp"])
     parser.add_argument("--execution", default="auto",
-                        choices=["auto", "in_graph", "strategy"])
+                        choices=["auto", "strategy"])
     parser.add_argument("--off", default="",
                         help="a grappler option to switch off, or 'meta'")
     parser.add_argument("--grappler", action="store_true",

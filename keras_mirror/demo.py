@@ -83,7 +83,7 @@ def add_arguments(parser):
         "own, float32)")
     parser.add_argument(
         "--execution", default="auto",
-        choices=("auto", "in_graph", "strategy"),
+        choices=("auto", "strategy"),
         help="MirroredModel execution path (default: %(default)s)")
     return parser
 

@@ -3,7 +3,6 @@
 import functools
 
 import keras
-import tensorflow as tf
 
 from keras_mirror import _compat
 from keras_mirror import verify as verify_lib
@@ -61,16 +60,14 @@ class MirroredModel(ReplicaAttributes, _user_model.UserModelState,
             gradients, in variable order, go in buckets of at least this
             many bytes, one all-reduce per bucket (`allreduce.buckets`);
             0 sends them in one call and lets TensorFlow pack; default 0.
-            A collective option: a nonzero value makes `execution="auto"`
-            pick the `"strategy"` path.
+            A collective option.
         communication: str. All-reduce implementation, `"auto"`, `"ring"`
             or `"nccl"`; default `"auto"`. On one host, `"nccl"` asks for
             `NcclAllReduce` (GPUs only) and `"ring"` is refused (it names
             the collective ops' ring, which only clusters use). A
             collective option, as `bytes_per_pack`.
         timeout_seconds: float or None. Fail a collective that takes longer
-            (a dead peer) instead of waiting forever; default None. The
-            `"in_graph"` path has no collective to time out. Reaches
+            (a dead peer) instead of waiting forever; default None. Reaches
             the gradient all-reduce and, multi-worker, the strategy's
             `communication_options` (loss all-reduce and gathers).
         cluster: `keras_mirror.cluster.ClusterSpec`, a `TF_CONFIG`-shaped
@@ -81,17 +78,13 @@ class MirroredModel(ReplicaAttributes, _user_model.UserModelState,
             (`is_chief`) writes `save`/`save_weights`. With CPUs, call
             `keras_mirror.logical_cpus(n)` first thing: under a cluster it
             builds the strategy before TensorFlow initialises.
-        execution: str. How the replicas run. `"strategy"`: one replica
-            step per device under `tf.distribute.MirroredStrategy` (or
-            `MultiWorkerMirroredStrategy`), a copy of the variables per
-            device, gradients all-reduced. `"in_graph"`: one graph in which
-            each replica's shard runs under `tf.device`, one copy of the
-            variables on `devices[0]`, gradients summed in-graph. Both
-            share the split plan, the loss weighting, the per-replica logs
-            and are exact. `"auto"` (default) picks `"in_graph"` for one
-            device or CPU devices of one host, `"strategy"` for GPUs,
-            clusters and models with their own `train_step`;
-            `mirrored.summary()` says which runs and why.
+        execution: str. `"auto"` (default) or `"strategy"`: both run the
+            one path, one replica step per device under
+            `tf.distribute.MirroredStrategy` (`MultiWorkerMirroredStrategy`
+            across hosts), a copy of the variables per device, gradients
+            all-reduced; on GPUs and logical CPUs alike.
+            `mirrored.summary()` says which strategy runs. The removed
+            `"in_graph"` is refused with a message naming the replacement.
         worker_input: str. `"replicate"` (default): every worker reads
             the full, identical global batch and keeps its replicas' rows of
             the split plan over all replicas (logged at construction).
@@ -152,22 +145,13 @@ class MirroredModel(ReplicaAttributes, _user_model.UserModelState,
             virtual_shards, worker_input, spec)
         if spec is not None:
             # Built before the model: TF must not initialise first.
-            _execution.check(execution, "a multi-worker cluster")
             strategy = devices_lib.multi_worker_strategy(spec, resolved, comm)
         original = _rebuild.build_original(model)
         _rebuild.check_original(original, len(resolved), spec)
         synchronized = tuple(_rebuild.synchronized_layers(original))
-        execution, reason = _execution.pick(
-            execution, resolved, spec, own_step.has_custom_step(original),
-            _execution.collective_options(bytes_per_pack, communication),
-            synchronized)
-        _execution.warn_unused_timeout(execution, timeout_seconds)
-        if spec is None and execution == "strategy":
+        execution, reason = _execution.pick(execution, resolved, spec)
+        if spec is None:
             strategy = devices_lib.mirrored_strategy(resolved, communication)
-        elif spec is None:
-            # The variables stay where the user made them; the steps place
-            # each replica's shard with `tf.device`.
-            strategy = tf.distribute.get_strategy()
         _multi_worker.mark_ready()
         super().__init__(name=name or f"mirrored_{original.name}")
         self._strategy = strategy
@@ -181,9 +165,8 @@ class MirroredModel(ReplicaAttributes, _user_model.UserModelState,
         self._virtual_shards = virtual_shards
         # The user's own model object trains: no copy, no config round trip.
         self._inner = original
-        object.__setattr__(self, "_homes", (
-            _homes.VariableHomes(original, strategy)
-            if execution == "strategy" else _homes.NoHomes()))
+        object.__setattr__(self, "_homes",
+                           _homes.VariableHomes(original, strategy))
         self._batch_mode = batch
         self._capacity = None
         self.on_nonfinite = on_nonfinite

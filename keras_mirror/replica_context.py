@@ -51,14 +51,6 @@ class ReplicaContext:
             in the global batch (0 outside `MirroredModel`, and for an
             empty shard, whose stand-in row is the global batch's first).
 
-    On the `"in_graph"` execution path (see `MirroredModel`) the replicas'
-    forward passes are traced one after the other into one graph, so a
-    replica cannot wait for the others: `replica_id` is a Python int (a
-    scalar tensor inside the built-in training step, traced once for all
-    replicas) and the two reductions and `all_gather` raise
-    `RuntimeError`. Models with their
-    own `train_step` always run on the `"strategy"` path, where all work.
-
     Example:
 
     ```python
@@ -72,7 +64,7 @@ class ReplicaContext:
 
     def __init__(self, replica_id, num_replicas, shard_size,
                  global_batch_size, distributed=False, options=None,
-                 gradient_dtype=None, reduce_error=None, offset=None,
+                 gradient_dtype=None, offset=None,
                  shares_after_gradient=False):
         self.replica_id = replica_id
         # A model's own step: each replica's gradients are weighted by its
@@ -85,7 +77,6 @@ class ReplicaContext:
         self.distributed = distributed
         self._options = options
         self._gradient_dtype = gradient_dtype
-        self._reduce_error = reduce_error
         if distributed:
             import tensorflow as tf
 
@@ -117,8 +108,6 @@ class ReplicaContext:
         """Sums `value` (a tensor or a structure of them) over replicas."""
         if not self.distributed:
             return value
-        if self._reduce_error is not None:
-            raise RuntimeError(self._reduce_error)
         import tensorflow as tf
 
         # An empty shard runs a stand-in row (`steps/_stand_in.py`): it adds
@@ -154,7 +143,7 @@ class ReplicaContext:
         each replica keeps its own rows' part, so a loss over the gathered
         rows (in-batch negatives, a contrastive loss) trains as on one
         device, for uneven and empty shards too. Outside `MirroredModel`,
-        `value` itself. Not available on the `"in_graph"` path.
+        `value` itself.
 
         Example:
 
@@ -165,8 +154,6 @@ class ReplicaContext:
         """
         if not self.distributed:
             return value
-        if self._reduce_error is not None:
-            raise RuntimeError(_NO_GATHER)
         return _gather(self, value)
 
     def __repr__(self):
@@ -174,14 +161,6 @@ class ReplicaContext:
                 f"num_replicas={self.num_replicas}, "
                 f"shard_size={self.shard_size}, "
                 f"global_batch_size={self.global_batch_size})")
-
-
-_NO_GATHER = (
-    "`replica_context().all_gather` is not available on the 'in_graph' "
-    "execution path: its replicas are traced one after the other into one "
-    "graph, so a replica cannot read the rows of the replicas traced after "
-    "it. Use `MirroredModel(..., execution='strategy')`. Received: "
-    "execution='in_graph'")
 
 
 def _gather(context, value):

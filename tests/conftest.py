@@ -77,14 +77,14 @@ def cpus():
     return list(CPUS)
 
 
-@pytest.fixture(params=["in_graph", "strategy"])
+@pytest.fixture(params=["strategy"])
 def execution(request, monkeypatch):
-    """Runs a test once per execution path of `MirroredModel`.
+    """The execution path of `MirroredModel` a test runs on.
 
-    Every `MirroredModel` the test builds with the default
-    `execution="auto"` runs on the path under test instead, so that a test
-    module opts in with `pytestmark = pytest.mark.usefixtures("execution")`
-    and proves both paths exact with the same assertions.
+    There is one path, `"strategy"`; the fixture pins it explicitly, so a
+    test that names it (or a module that opts in with
+    `pytestmark = pytest.mark.usefixtures("execution")`) says which code it
+    proves.
     """
     import keras_mirror
 

@@ -34,7 +34,7 @@ USAGE_ERRORS = [
      "argument --target: must be a number from 0 to 1, got '95'"),
     (["demo", "--execution", "graph"],
      "argument --execution: invalid choice: 'graph' (choose from 'auto', "
-     "'in_graph', 'strategy')"),
+     "'strategy')"),
 ]
 ARGVS = [[], ["--version"], ["demo", "--help"], ["dmeo"], ["launch", "--help"],
          *(argv for argv, _ in USAGE_ERRORS)]
@@ -90,7 +90,7 @@ DEMO_HELP = """\
 usage: keras-mirror demo [-h] [--replicas N] [--epochs N] [--batch-size B]
                          [--log-dir DIR] [--target ACC] [--seed SEED]
                          [--gradient-dtype {float32,bfloat16,float16}]
-                         [--execution {auto,in_graph,strategy}]
+                         [--execution {auto,strategy}]
 
 Train a small convnet on scikit-learn's bundled digits data (no download)
 across logical CPU replicas; print the split plan, Keras's progress bar and a
@@ -110,7 +110,7 @@ options:
   --gradient-dtype {float32,bfloat16,float16}
                         dtype of the gradient all-reduce (default: the
                         gradients' own, float32)
-  --execution {auto,in_graph,strategy}
+  --execution {auto,strategy}
                         MirroredModel execution path (default: auto)
 """
 

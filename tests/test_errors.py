@@ -259,13 +259,6 @@ class _Gather(keras.layers.Layer):
         return keras_mirror.replica_context().all_gather(x)
 
 
-def _gather_in_graph(cpus):
-    model = keras.Sequential([keras.Input((3,)), _Gather(),
-                              keras.layers.Dense(1)])
-    _fit(cpus, X, Y, batch_size=8, mirrored_kwargs=dict(
-        model=model, execution="in_graph"))
-
-
 class _UnseededNoise(keras.layers.Layer):
     def call(self, x, training=False):
         if not training:
@@ -305,13 +298,6 @@ CASES = {
         lambda cpus: keras_mirror.MirroredModel(
             keras_mirror.MirroredModel(_seq(), cpus), cpus),
         ValueError, r"`model` is already a `MirroredModel`.*Received: model="),
-    "execution_in_graph_synchronized_bn": Case(
-        "execution", "'in_graph' with BatchNormalization(synchronized=True)",
-        lambda cpus: keras_mirror.MirroredModel(
-            _synchronized_bn(), cpus, execution="in_graph"),
-        ValueError,
-        r"`execution='in_graph'` cannot run `BatchNormalization\("
-        r"synchronized=True\)`.*Received: execution='in_graph'"),
     "loss_neither_sum_nor_mean": Case(
         "loss", "a Loss returning sqrt(batch sum)",
         lambda cpus: _fit(cpus, X, Y, batch_size=4,
@@ -377,22 +363,16 @@ CASES = {
         lambda cpus: keras_mirror.MirroredModel(_seq(), cpus,
                                                 execution="graph"),
         ValueError,
-        r"`execution` must be one of \('auto', 'in_graph', 'strategy'\)\. "
+        r"`execution` must be one of \('auto', 'strategy'\)\. "
         r"Received: execution='graph'"),
-    "execution_custom_step": Case(
-        "execution", "'in_graph' for a model with its own train_step",
-        lambda cpus: keras_mirror.MirroredModel(
-            own_step_model, cpus, execution="in_graph"),
+    "execution_in_graph_removed": Case(
+        "execution", "'in_graph' (removed)",
+        lambda cpus: keras_mirror.MirroredModel(_seq(), cpus,
+                                                execution="in_graph"),
         ValueError,
-        r"`execution='in_graph'` cannot run a model with its own "
-        r"`train_step`.*Received: execution='in_graph'"),
-    "execution_collective_options": Case(
-        "execution", "'in_graph' with communication='ring'",
-        lambda cpus: keras_mirror.MirroredModel(
-            _seq(), cpus, execution="in_graph", communication="ring"),
-        ValueError,
-        r"communication='ring' tune the collective all-reduce.*"
-        r"Received: execution='in_graph', communication='ring'"),
+        r"`execution='in_graph'` was removed in keras-mirror 0\.2: every "
+        r"device now runs the one `tf\.distribute` path.*Omit `execution`.*"
+        r"Received: execution='in_graph'"),
     "on_nonfinite": Case(
         "on_nonfinite", "'ignore'",
         lambda cpus: keras_mirror.MirroredModel(
@@ -818,11 +798,6 @@ CASES = {
         lambda cpus: _mirrored(cpus).verify(X, Y, tolerance=-1),
         ValueError, r"`tolerance` must be a non-negative number\. "
         r"Received: tolerance=-1"),
-    "all_gather_in_graph": Case(
-        "execution", "'in_graph' with `replica_context().all_gather`",
-        _gather_in_graph,
-        RuntimeError, r"`replica_context\(\).all_gather` is not available "
-        r"on the 'in_graph' execution path.*Received: execution='in_graph'"),
 }
 
 
@@ -971,9 +946,3 @@ def test_many_more_replicas_than_rows_warns(cpus):
         _fit(cpus, X, Y, batch_size=2)  # 2 of 4 replicas busy: no warning
 
 
-def test_timeout_seconds_on_the_in_graph_path_warns(cpus):
-    with pytest.warns(UserWarning, match=(
-            r"`timeout_seconds` has no effect on the 'in_graph' execution "
-            r"path.*Received: timeout_seconds=5 with execution='in_graph'")):
-        keras_mirror.MirroredModel(_seq(), cpus, timeout_seconds=5,
-                                   execution="in_graph")

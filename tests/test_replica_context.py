@@ -4,8 +4,7 @@ On the `"strategy"` path every replica gets every replica's rows in replica
 order, and the gradient goes back to each replica's own rows, so a loss
 that depends on the whole batch (in-batch negatives) trains as on one
 device: `examples/contrastive.py` within 1e-5, for uneven and empty shards,
-in a model's own `train_step` and in a layer under the built-in step. The
-`"in_graph"` path refuses it by name.
+in a model's own `train_step` and in a layer under the built-in step.
 """
 
 import importlib.util
@@ -130,13 +129,3 @@ def test_a_layer_that_gathers_trains_as_on_one_device(cpus):
                                rtol=1e-5)
     np.testing.assert_allclose(mirrored.predict(x, verbose=0),
                                single.predict(x, verbose=0), atol=1e-5)
-
-
-def test_in_graph_path_refuses_all_gather(cpus):
-    mirrored = keras_mirror.MirroredModel(_centering_model(), devices=cpus,
-                                          execution="in_graph")
-    x = np.ones((8, 5), "float32")
-    with pytest.raises(RuntimeError, match=(
-            r"`replica_context\(\).all_gather` is not available on the "
-            r"'in_graph' execution path.*Received: execution='in_graph'")):
-        _fit_centering(mirrored, x, np.ones((8, 2), "float32"))

@@ -82,7 +82,7 @@ def test_convnet_is_exact(cpus, execution):
     assert report.max_weight_diff < TOL
 
 
-@pytest.mark.parametrize("execution", ["in_graph"], indirect=True)
+@pytest.mark.parametrize("execution", ["strategy"], indirect=True)
 def test_dropout_is_exact_and_its_seed_state_compared(cpus, execution):
     mirrored = _wrapped(_dense(dropout=0.4))
     x, y = _data()
@@ -93,8 +93,6 @@ def test_dropout_is_exact_and_its_seed_state_compared(cpus, execution):
 
 
 def test_gan_with_its_own_train_step_is_exact(cpus, execution):
-    if execution == "in_graph":
-        pytest.skip("a model's own train_step runs on the strategy path only")
     model, compile_kwargs, (x, _) = guide_models.gan()
     mirrored = keras_mirror.MirroredModel(model)
     mirrored.compile(**compile_kwargs)
@@ -180,8 +178,6 @@ def _batch_sum(seed=0):
 
 
 def test_a_hand_written_batch_sum_is_not_exact(cpus, execution):
-    if execution == "in_graph":
-        pytest.skip("a model's own train_step runs on the strategy path only")
     x, y = _data()
     single = _batch_sum()
     _fit(single, x, y)
@@ -241,7 +237,7 @@ def test_verify_on_an_unbuilt_optimizer_restores_it_empty(cpus):
                if "momentum" in v.path or "velocity" in v.path)
 
 
-@pytest.mark.parametrize("execution", ["in_graph"], indirect=True)
+@pytest.mark.parametrize("execution", ["strategy"], indirect=True)
 def test_datasets_and_generators_replay_the_same_batches(cpus, execution):
     x, y = _data()
     dataset = tf.data.Dataset.from_tensor_slices((x, y)).batch(9)
@@ -266,7 +262,7 @@ def test_per_replica_batches_are_joined_for_one_device(cpus, execution):
     assert report.exact, report
 
 
-@pytest.mark.parametrize("execution", ["in_graph"], indirect=True)
+@pytest.mark.parametrize("execution", ["strategy"], indirect=True)
 def test_verify_refuses_its_own_arguments(cpus, execution):
     mirrored = _wrapped(_dense())
     x, y = _data(8)
@@ -279,7 +275,7 @@ def test_verify_refuses_its_own_arguments(cpus, execution):
         mirrored.verify(x, y, tolerance=-1)
 
 
-@pytest.mark.parametrize("execution", ["in_graph"], indirect=True)
+@pytest.mark.parametrize("execution", ["strategy"], indirect=True)
 def test_public_import_paths(execution):
     from keras_mirror import VerifyReport
     from keras_mirror.verify import VerifyReport as same

@@ -164,14 +164,3 @@ class VariableHomes:
             finally:
                 self._depth -= 1
                 self._exit()
-
-
-class NoHomes:
-    """The `"in_graph"` path: the variables stay as they are."""
-
-    def refresh(self):
-        pass
-
-    @contextlib.contextmanager
-    def mirrored(self):
-        yield

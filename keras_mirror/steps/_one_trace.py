@@ -47,7 +47,7 @@ def enabled(mirrored):
         return False
     if getattr(mirrored._inner, "run_eagerly", False):
         return False
-    if mirrored._execution == "strategy" and mirrored.__dict__.get(
+    if mirrored.__dict__.get(
             "_synchronized"):
         return False
     if len(mirrored.devices) == 1 or mirrored._multi_worker:

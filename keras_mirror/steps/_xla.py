@@ -62,7 +62,7 @@ def enabled(mirrored):
     if mirrored._custom_step:
         warn_once(mirrored, OWN_STEP)
         return False
-    if mirrored._execution == "strategy" and mirrored.__dict__.get(
+    if mirrored.__dict__.get(
             "_synchronized"):
         warn_once(mirrored, SYNCHRONIZED)
         return False

@@ -1,17 +1,16 @@
-"""Routes each Keras step to the execution path the wrapper runs.
+"""Routes each Keras step to the replica step it runs.
 
 `StepDispatch` is the step half of `MirroredModel`: Keras calls its
 `train_step`, `test_step` and `predict_step`, which go to the model's own
-step (`own_step`), the one-graph path (`in_graph`) or the `tf.distribute`
-path (`strategy.ReplicaSteps`, the base class). The paths share
-`shards`; none of them imports this module.
+step (`own_step`) or Keras's built-in one (`strategy.ReplicaSteps`, the
+base class). Both run under the same runner, on `tf.distribute`, on every
+device kind; neither imports this module.
 """
 
 from keras_mirror.callbacks import _replica_logs
 from keras_mirror.distribute import _worker_input
 from keras_mirror.steps import _probing
 from keras_mirror.steps import _xla
-from keras_mirror.steps import in_graph
 from keras_mirror.steps import own_step
 from keras_mirror.steps import strategy
 
@@ -43,8 +42,6 @@ class StepDispatch(strategy.ReplicaSteps):
         if self._custom_step:
             _xla.enabled(self)  # warns once: the user's step runs as is
             return own_step.train_step(self, data)
-        if self._execution == "in_graph":
-            return in_graph.train_step(self, data)
         return super().train_step(data)
 
     def make_train_function(self, force=False):
@@ -76,13 +73,9 @@ class StepDispatch(strategy.ReplicaSteps):
     def test_step(self, data):
         if own_step.overrides(self._inner, "test_step"):
             return own_step.test_step(self, data)
-        if self._execution == "in_graph":
-            return in_graph.test_step(self, data)
         return super().test_step(data)
 
     def predict_step(self, data):
         if own_step.overrides(self._inner, "predict_step"):
             return own_step.predict_step(self, data)
-        if self._execution == "in_graph":
-            return in_graph.predict_step(self, data)
         return super().predict_step(data)

@@ -22,10 +22,10 @@ A model that overrides `train_step` (keras.io DCGAN / WGAN-GP style: its own
   reports the metric (its state is the global batch's), any other scalar
   the share-weighted sum (exact for per-batch means).
 
-`test_step` and `predict_step` overrides run the same way on both execution
-paths; a `train_step` override needs the `"strategy"` path, whose replicas can
-wait for each other (a GAN's generator step reads the discriminator that
-every replica's gradients just updated).
+`train_step`, `test_step` and `predict_step` overrides run under the same
+runner as the built-in step, on `tf.distribute`: the replicas wait for each
+other (a GAN's generator step reads the discriminator that every replica's
+gradients just updated).
 
 A non-scalar target of `tape.gradient` with a row per example (a per-pixel
 loss) is differentiated as the batch sum it is (`_tape`). What differs from
@@ -52,7 +52,6 @@ from keras_mirror.steps import _metric_weights
 from keras_mirror.steps import _scope
 from keras_mirror.steps import _stand_in
 from keras_mirror.steps import _tape
-from keras_mirror.steps import arithmetic
 
 PREFIX = "replica_"
 
@@ -212,7 +211,6 @@ def _run(mirrored, data, method):
                              options=mirrored._comm_options,
                              gradient_dtype=mirrored._gradient_dtype,
                              offset=tf.gather(offsets, r),
-                             reduce_error=_graph_reduce_error(mirrored),
                              shares_after_gradient=True)
         with activate(ctx), _tape.per_row_targets():
             out = step(shard_data)
@@ -225,44 +223,18 @@ def _run(mirrored, data, method):
                    for k, v in vectors.items()}
         return vectors, samples
 
-    if mirrored.execution == "in_graph":
-        outs = []
-        # Every replica starts from the same state (seed generators).
-        guard = arithmetic.StateGuard(mirrored._inner, n)
-        with _scope.replica_scope(mirrored):
-            for r, (device, shard) in enumerate(zip(
-                    mirrored.devices, mirrored._in_graph_shards(tensors,
-                                                                rows))):
-                with tf.device(device):
-                    outs.append(one_replica(shard, r))
-                guard.after_replica(r)
-        guard.finish()
-        with tf.device(mirrored.devices[0]):
-            joined = tf.nest.map_structure(
-                lambda *p: tf.concat(p, axis=0), *outs)
-        vectors, samples = joined
-    else:
-        shards = mirrored._distribute(tensors, sizes)
+    shards = mirrored._distribute(tensors, sizes)
 
-        def replica_step(shard):
-            r = tf.distribute.get_replica_context().replica_id_in_sync_group
-            return one_replica(shard, r)
+    def replica_step(shard):
+        r = tf.distribute.get_replica_context().replica_id_in_sync_group
+        return one_replica(shard, r)
 
-        with mirrored._strategy.scope(), _scope.replica_scope(mirrored):
-            out = mirrored._strategy.run(replica_step, args=(shards,))
-        vectors, samples = mirrored._gather(out)
+    with mirrored._strategy.scope(), _scope.replica_scope(mirrored):
+        out = mirrored._strategy.run(replica_step, args=(shards,))
+    vectors, samples = mirrored._gather(out)
     if method == "predict_step":
         return vectors
     return _global_logs(vectors, samples, sources, mirrored.replica_stats)
-
-
-def _graph_reduce_error(mirrored):
-    if mirrored.execution != "in_graph":
-        return None
-    return ("`replica_context().all_reduce_*` is not available on the "
-            "'in_graph' execution path, whose replicas are traced one after "
-            "the other into one graph. Use `MirroredModel(..., "
-            "execution='strategy')`.")
 
 
 def _flat(logs):

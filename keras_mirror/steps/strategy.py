@@ -1,4 +1,4 @@
-"""The `"strategy"` execution path: one replica step per device.
+"""The one execution path: one replica step per device, on tf.distribute.
 
 `ReplicaSteps` is the `tf.distribute` half of `MirroredModel`'s steps: the
 global batch is split by the plan (`split`), each replica runs its shard
@@ -66,20 +66,6 @@ class ReplicaSteps:
 
     def _first(self, per_replica):
         return self._strategy.experimental_local_results(per_replica)[0]
-
-    def _in_graph_shards(self, data, rows):
-        """`data`'s shards, each sliced on its replica's device (in_graph)."""
-        if len(self._devices) == 1:  # the plan is the whole batch
-            return [data]
-        sizes = self._plan_sizes(rows)
-        starts, runs = _stand_in.bounds(sizes)
-        shards = []
-        for r, device in enumerate(self._devices):
-            with tf.device(device):
-                shards.append(tf.nest.map_structure(
-                    lambda t, r=r: _stand_in.shard(t, starts[r], runs[r]),
-                    data))
-        return shards
 
     @staticmethod
     def _pack(x, y, sw):
@@ -301,7 +287,7 @@ class ReplicaSteps:
         moving statistics (TF's mirrored variables with aggregation
         "none"); Keras reads, saves and checkpoints the first copy. Copying
         it to the others keeps every replica's evaluation and prediction on
-        the same state (the `in_graph` path's semantics), and keeps the NaN
+        the same state, and keeps the NaN
         statistics of an empty shard from surviving the step.
         """
         for v in self._inner.non_trainable_variables:

@@ -128,5 +128,6 @@ def check_construction(batch, on_nonfinite, replica_stats, communication,
     comm = allreduce.communication_options(
         communication, bytes_per_pack, timeout_seconds)
     allreduce.check_gradient_dtype(gradient_dtype)
+    _execution.check(execution)
     check_choice("execution", execution, _execution.EXECUTIONS)
     return comm

@@ -17,13 +17,11 @@ class ReplicaAttributes:
     @property
     def num_replicas(self):
         """The number of replicas (devices) in sync."""
-        if self._execution == "in_graph":
-            return len(self._devices)
         return self._strategy.num_replicas_in_sync
 
     @property
     def execution(self):
-        """The execution path: `"in_graph"` or `"strategy"` (see `summary`)."""
+        """The execution path: `"strategy"`, the one path (see `summary`)."""
         return self._execution
 
     @property
@@ -66,10 +64,9 @@ class ReplicaAttributes:
     def strategy(self):
         """The `tf.distribute` strategy the replicas run on.
 
-        `MirroredStrategy` (or `MultiWorkerMirroredStrategy`) on the
-        `"strategy"` path, whose variables get a mirrored twin during each
-        wrapper call; the default strategy on the `"in_graph"` path, whose
-        variables are the model's own, used as they are.
+        `MirroredStrategy` on one host, `MultiWorkerMirroredStrategy`
+        across hosts; the model's variables get a mirrored twin during each
+        wrapper call.
         """
         return self._strategy
 

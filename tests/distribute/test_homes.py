@@ -92,7 +92,7 @@ class _Swaps(keras.callbacks.Callback):
         self.sums.append(float(np.sum(self.model.get_weights()[0])))
 
 
-@pytest.mark.parametrize("execution", ["strategy", "in_graph"])
+@pytest.mark.parametrize("execution", ["strategy"])
 def test_swap_ema_weights_and_the_final_overwrite_as_on_one_device(
         cpus, execution):
     """`SwapEMAWeights` swaps each variable with its average through the

@@ -90,7 +90,7 @@ def test_overhead_quick_run_writes_report(tmp_path):
     assert (tmp_path / "overhead.md").read_text().startswith(
         "# bench_overhead")
     (row,) = report["results"]
-    assert row["model"] == "mlp" and row["execution"] == "in_graph"
+    assert row["model"] == "mlp" and row["execution"] == "strategy"
     assert len(report["trials"]) == 2
     for trial in report["trials"]:
         assert min(trial["single_ms"], trial["mirrored_ms"],

@@ -64,7 +64,7 @@ def _assert_logs(single, mirrored, keys=None):
 
 
 @pytest.mark.parametrize("name", sorted(guide_models.BUILT_IN))
-@pytest.mark.parametrize("execution", ["in_graph", "strategy"])
+@pytest.mark.parametrize("execution", ["strategy"])
 def test_guide_models_train_as_on_one_device(name, execution, cpus,
                                              one_device):
     builder = guide_models.BUILT_IN[name]
@@ -87,13 +87,7 @@ def test_models_with_their_own_train_step(name, cpus):
     _assert_logs(logs1, logs2)
 
 
-def test_own_train_step_is_refused_on_the_in_graph_path(cpus):
-    model, compile_kwargs, _ = guide_models.gan()
-    with pytest.raises(ValueError, match="execution='in_graph'"):
-        keras_mirror.MirroredModel(model, execution="in_graph")
-
-
-@pytest.mark.parametrize("execution", ["in_graph", "strategy"])
+@pytest.mark.parametrize("execution", ["strategy"])
 def test_evaluate_with_own_test_step_and_compute_loss(execution, cpus,
                                                       one_device):
     def evaluate(builder):
@@ -114,7 +108,7 @@ def test_evaluate_with_own_test_step_and_compute_loss(execution, cpus,
                                        err_msg=key)
 
 
-@pytest.mark.parametrize("execution", ["in_graph", "strategy"])
+@pytest.mark.parametrize("execution", ["strategy"])
 def test_sample_weights_in_the_guide_step_and_builtin(execution, cpus,
                                                       one_device):
     rng = np.random.default_rng(0)
@@ -164,7 +158,7 @@ def test_explicit_loss_scale_optimizer_is_not_wrapped_twice(cpus):
         keras.config.set_dtype_policy("float32")
 
 
-@pytest.mark.parametrize("execution", ["in_graph", "strategy"])
+@pytest.mark.parametrize("execution", ["strategy"])
 def test_keras_backup_and_restore_resumes_exactly(execution, cpus, tmp_path,
                                                  one_device):
     builder = guide_models.no_config
@@ -215,7 +209,7 @@ def test_double_wrap_is_refused(cpus):
         keras_mirror.MirroredModel(mirrored)
 
 
-@pytest.mark.parametrize("execution", ["in_graph", "strategy"])
+@pytest.mark.parametrize("execution", ["strategy"])
 def test_validation_logs_per_output_equal_one_device(execution, cpus,
                                                      one_device):
     builder = guide_models.multi_io
@@ -230,7 +224,7 @@ def test_validation_logs_per_output_equal_one_device(execution, cpus,
     _assert_logs(logs1, logs2)
 
 
-@pytest.mark.parametrize("execution", ["in_graph", "strategy"])
+@pytest.mark.parametrize("execution", ["strategy"])
 def test_a_model_trained_before_wrapping_keeps_its_optimizer_state(
         execution, cpus, one_device):
     # Adam's moments and step count, and the Dropout and GaussianNoise

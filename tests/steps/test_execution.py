@@ -1,9 +1,7 @@
-"""The two execution paths: which one `"auto"` picks, and what differs.
+"""The one execution path: every device and model runs the strategy step.
 
-The exactness suites (test_mirrored_model, test_exactly_once,
-test_nonfinite, test_properties, test_saving) run every test on both paths
-through the `execution` fixture; this file covers the choice itself and the
-behaviour that is specific to one path.
+`execution="auto"` and `"strategy"` both run it; the removed `"in_graph"`
+is refused naming the replacement.
 
 Also the tests of `keras_mirror/allreduce.py`,
 `keras_mirror/steps/_scope.py`, `keras_mirror/steps/dispatch.py`,
@@ -34,25 +32,24 @@ def _bn_model(seed=3):
     ])
 
 
-def test_auto_picks_in_graph_on_cpus_and_says_why(cpus):
+def test_auto_runs_the_strategy_path_on_cpus_and_says_why(cpus):
     mirrored = keras_mirror.MirroredModel(mlp(), devices=cpus)
-    assert mirrored.execution == "in_graph"
-    # No strategy holds the variables: they stay the model's own.
-    assert mirrored.strategy is tf.distribute.get_strategy()
+    assert mirrored.execution == "strategy"
+    assert isinstance(mirrored.strategy, tf.distribute.MirroredStrategy)
     assert mirrored.num_replicas == 4
     assert mirrored.execution_summary == (
-        "in_graph (one graph; each replica's shard runs under tf.device on "
-        "its device; one copy of the variables on /device:CPU:0; gradients "
-        "summed in-graph), because the devices are CPUs of one host, which "
-        "share memory: mirrored copies would only add an optimizer update "
-        "per copy.")
+        "strategy (tf.distribute MirroredStrategy; one replica step per "
+        "device; explicit gradient all-reduce), because it is the one path, "
+        "on every device kind: each replica keeps its own copy of the "
+        "variables and gradients are all-reduced (NCCL on GPUs).")
 
 
 def test_auto_on_one_device(cpus):
     mirrored = keras_mirror.MirroredModel(mlp(), devices=cpus[2:3])
-    assert mirrored.execution == "in_graph"
+    assert mirrored.execution == "strategy"
+    assert mirrored.num_replicas == 1
     assert mirrored.execution_summary.endswith(
-        "because there is one device (nothing to mirror).")
+        "because it is the one path; one device runs it as one replica.")
 
 
 def test_strategy_path_on_request(cpus):
@@ -68,8 +65,18 @@ def test_unknown_execution_is_refused(cpus):
     with pytest.raises(ValueError) as info:
         keras_mirror.MirroredModel(mlp(), devices=cpus, execution="graph")
     assert str(info.value) == (
-        "`execution` must be one of ('auto', 'in_graph', 'strategy'). "
+        "`execution` must be one of ('auto', 'strategy'). "
         "Received: execution='graph'")
+
+
+def test_removed_in_graph_is_refused_naming_the_replacement(cpus):
+    with pytest.raises(ValueError) as info:
+        keras_mirror.MirroredModel(mlp(), devices=cpus, execution="in_graph")
+    assert str(info.value) == (
+        "`execution='in_graph'` was removed in keras-mirror 0.2: every "
+        "device now runs the one `tf.distribute` path, the code GPUs and "
+        "clusters run. Omit `execution` (or pass execution='auto' or "
+        "'strategy'). Received: execution='in_graph'")
 
 
 def test_custom_train_step_runs_on_the_strategy_path(cpus):
@@ -78,15 +85,6 @@ def test_custom_train_step_runs_on_the_strategy_path(cpus):
 
     mirrored = keras_mirror.MirroredModel(model, devices=cpus)
     assert mirrored.execution == "strategy"
-    assert mirrored.execution_summary.endswith(
-        "because the model has its own `train_step`, which runs per replica "
-        "under the strategy.")
-    with pytest.raises(ValueError) as info:
-        keras_mirror.MirroredModel(model, devices=cpus, execution="in_graph")
-    assert str(info.value) == (
-        "`execution='in_graph'` cannot run a model with its own "
-        "`train_step`: only the tf.distribute path can. Pass "
-        "execution='strategy' or 'auto'. Received: execution='in_graph'")
 
 
 def _fit(model, x, y, **kwargs):
@@ -96,38 +94,19 @@ def _fit(model, x, y, **kwargs):
     return model
 
 
-def test_paths_agree_with_each_other(cpus):
-    x, y, sw = data(30)
-    a = _fit(keras_mirror.MirroredModel(mlp(), devices=cpus,
-                                        execution="in_graph"), x, y,
-             sample_weight=sw)
-    b = _fit(keras_mirror.MirroredModel(mlp(), devices=cpus,
-                                        execution="strategy"), x, y,
-             sample_weight=sw)
-    assert max_diff(a.model.get_weights(), b.model.get_weights()) < 1e-6
-    for key in ("samples", "sample_weight", "loss", "grad_norm"):
-        np.testing.assert_allclose(a.replica_history[key],
-                                   b.replica_history[key], rtol=1e-5,
-                                   atol=1e-6, err_msg=key)
-
-
-def test_batch_norm_state_is_replica_zeros_on_both_paths(cpus):
+def test_batch_norm_state_is_replica_zeros(cpus):
     """Moving statistics: each replica starts from the same state and the
-    state kept is replica 0's, on both paths (TF's mirrored variables with
-    aggregation "none" keep the first replica's copy)."""
+    state kept is replica 0's (TF's mirrored variables with aggregation
+    "none" keep the first replica's copy)."""
     x, y, _ = data(14)  # batches of 7: no empty shard (see the note)
-    a = _fit(keras_mirror.MirroredModel(_bn_model(), devices=cpus,
-                                        execution="in_graph"), x, y)
-    b = _fit(keras_mirror.MirroredModel(_bn_model(), devices=cpus,
-                                        execution="strategy"), x, y)
-    assert max_diff(a.model.get_weights(), b.model.get_weights()) < 1e-5
+    a = _fit(keras_mirror.MirroredModel(_bn_model(), devices=cpus), x, y)
+    assert all(np.isfinite(w).all() for w in a.model.get_weights())
     # Replica 0's shard statistics, not a sequential blend of all shards:
     # one step of momentum 0.5 from (0, 1) on replica 0's first 2 rows.
     first = _bn_model()
     plan = a.split_plan(7)
     assert plan == (2, 2, 2, 1)
-    step = keras_mirror.MirroredModel(_bn_model(), devices=cpus,
-                                      execution="in_graph")
+    step = keras_mirror.MirroredModel(_bn_model(), devices=cpus)
     step.compile(optimizer=keras.optimizers.SGD(0.0), loss="mse")
     step.train_on_batch(x[:7], y[:7])
     hidden = first.layers[0](x[:plan[0]]).numpy()
@@ -145,7 +124,7 @@ class ReplicaIds(keras.layers.Layer):
         return x + 10.0 * tf.cast(ctx.replica_id, x.dtype)
 
 
-@pytest.mark.parametrize("execution", ["in_graph", "strategy"])
+@pytest.mark.parametrize("execution", ["strategy"])
 def test_replica_context_in_the_builtin_forward_pass(cpus, execution):
     inputs = keras.Input((1,))
     model = keras.Model(inputs, ReplicaIds()(inputs))
@@ -163,15 +142,9 @@ class Reduces(keras.layers.Layer):
             tf.reduce_sum(x))
 
 
-def test_reductions_in_a_layer_need_the_strategy_path(cpus):
+def test_reductions_in_a_layer_run_in_the_forward_pass(cpus):
     inputs = keras.Input((1,))
     model = keras.Model(inputs, Reduces()(inputs))
-    mirrored = keras_mirror.MirroredModel(model, devices=cpus,
-                                          execution="in_graph")
-    with pytest.raises(RuntimeError) as info:
-        mirrored.predict(np.ones((4, 1), "float32"), verbose=0)
-    assert "not available on the 'in_graph' execution path" in str(
-        info.value)
     strategy = keras_mirror.MirroredModel(model, devices=cpus,
                                           execution="strategy")
     out = strategy.predict(np.ones((4, 1), "float32"), batch_size=4,
@@ -179,7 +152,7 @@ def test_reductions_in_a_layer_need_the_strategy_path(cpus):
     np.testing.assert_array_equal(out[:, 0], [5.0, 5.0, 5.0, 5.0])
 
 
-@pytest.mark.parametrize("execution", ["in_graph", "strategy"])
+@pytest.mark.parametrize("execution", ["strategy"])
 def test_replica_step_time_is_measured_from_one_clock_reading(cpus,
                                                                execution):
     """`replica_step_time` runs from one reading at the step's start, and
@@ -202,44 +175,23 @@ def test_replica_step_time_is_measured_from_one_clock_reading(cpus,
     assert times.sum(axis=0).max() < wall
 
 
-def test_collective_options_pick_the_strategy_path(cpus):
-    mirrored = keras_mirror.MirroredModel(mlp(), devices=cpus,
-                                          bytes_per_pack=1 << 20)
-    assert mirrored.execution == "strategy"
-    assert mirrored.execution_summary.endswith(
-        "because collective all-reduce options were given "
-        "(bytes_per_pack=1048576).")
-    with pytest.raises(ValueError) as info:
-        keras_mirror.MirroredModel(mlp(), devices=cpus, execution="in_graph",
-                                   communication="ring")
-    assert str(info.value) == (
-        "communication='ring' tune the collective all-reduce of the "
-        "'strategy' execution path; the 'in_graph' path sums gradients "
-        "in-graph and has no collective. Drop them or pass "
-        "execution='strategy'. Received: execution='in_graph', "
-        "communication='ring'")
-
-
 @pytest.mark.parametrize("gradient_dtype", ["bfloat16", "float16"])
-def test_reduced_precision_sum_is_the_same_on_both_paths(cpus,
-                                                         gradient_dtype):
+def test_reduced_precision_sum_rounds_the_wire_only(cpus, gradient_dtype):
     x, y, _ = data(21)
-    models = [
-        _fit(keras_mirror.MirroredModel(mlp(), devices=cpus,
-                                        execution=execution,
-                                        gradient_dtype=gradient_dtype), x, y)
-        for execution in ("in_graph", "strategy")]
+    mirrored = _fit(keras_mirror.MirroredModel(
+        mlp(), devices=cpus, gradient_dtype=gradient_dtype), x, y)
     reference = _fit(mlp(), x, y)
-    a, b = (m.model.get_weights() for m in models)
+    full = _fit(keras_mirror.MirroredModel(mlp(), devices=cpus), x, y)
     # The gradients travel rounded to 8 (bf16) or 11 (fp16) bits...
-    assert max_diff(a, reference.get_weights()) > 1e-7
-    # ...and both paths round and sum them the same way.
-    assert max_diff(a, b) < 1e-6
-    assert models[0].allreduce_bytes_per_step == models[1]\
-        .allreduce_bytes_per_step == 2 * reference.count_params()
+    got = mirrored.model.get_weights()
+    assert max_diff(got, reference.get_weights()) > 1e-7
+    assert max_diff(full.model.get_weights(), reference.get_weights()) < 1e-5
+    # ...and only the wire is rounded: the result stays close.
+    assert max_diff(got, reference.get_weights()) < 5e-2
+    assert mirrored.allreduce_bytes_per_step == 2 * reference.count_params()
 
 
-@pytest.mark.parametrize("execution", ["in_graph", "strategy"])
+@pytest.mark.parametrize("execution", ["strategy"])
 def test_batch_norm_with_empty_shards_stays_finite(cpus, execution):
     """B < N leaves replicas without rows; BatchNormalization's mean over
     no rows is NaN, and `0 * NaN` in its backward pass used to reach the
@@ -261,17 +213,6 @@ def test_batch_norm_with_empty_shards_stays_finite(cpus, execution):
     np.testing.assert_allclose(
         mirrored.predict(x, batch_size=3, verbose=0),
         mirrored.model.predict(x, batch_size=3, verbose=0), atol=1e-5)
-
-
-def test_batch_norm_paths_agree_with_empty_shards(cpus):
-    x, y, _ = data(9)
-    weights = []
-    for execution in ("in_graph", "strategy"):
-        mirrored = keras_mirror.MirroredModel(_bn_model(), devices=cpus,
-                                              execution=execution)
-        _fit(mirrored, x, y)  # batches 7 and 2: shards (2,2,2,1), (1,1,0,0)
-        weights.append(mirrored.model.get_weights())
-    assert max_diff(*weights) < 1e-5
 
 
 def test_buckets_group_gradients_by_bytes():

@@ -49,7 +49,7 @@ def one_device():
     return _train()[1]
 
 
-@pytest.mark.parametrize("execution", ["in_graph", "strategy"])
+@pytest.mark.parametrize("execution", ["strategy"])
 def test_one_trace_serves_every_replica(execution, one_device):
     mirrored, weights = _train(execution)
     assert len(mirrored.devices) == 4

@@ -38,10 +38,10 @@ def _model():
     return model
 
 
-# Empty shards on both paths (11 rows in 3s: 1/1/1/0, then 1/1/0/0); one
-# whole batch (3/3/2/2) and a last row alone (1/0/0/0) on one path each.
+# Empty shards (11 rows in 3s: 1/1/1/0, then 1/1/0/0), one whole batch
+# (3/3/2/2) and a last row alone (1/0/0/0).
 @pytest.mark.parametrize("execution,rows,batch_size", [
-    ("in_graph", 11, 3), ("strategy", 11, 3), ("in_graph", 10, 10),
+    ("strategy", 11, 3), ("strategy", 10, 10),
     ("strategy", 9, 2)], indirect=["execution"])
 def test_sparse_arrays_train_as_on_one_device(cpus, execution, rows,
                                               batch_size, one_device):

@@ -180,22 +180,10 @@ def _single(cache, builder, sizes=SIZES):
     return once(cache, (builder.__name__, sizes), run)
 
 
-# A layer runs in the replica's forward and backward pass, which is the
-# same code on both paths (its shard, its stand-in row, its loss share);
-# what surrounds it differs (one graph's `add_n`, or the strategy's mirrored
-# variables and all-reduce). So each kind runs on one path, each path runs
-# half of the kinds, and the convolution runs on both (also below, on 2 and
-# 3 replicas and in the `*_on_batch` methods).
-PATHS = {
-    "conv2d": ("in_graph", "strategy"),
-    "conv3d": ("in_graph",), "depthwise_separable_pooling": ("in_graph",),
-    "layer_norm": ("in_graph",), "lstm_masked": ("in_graph",),
-    "conv1d": ("strategy",), "conv_transpose": ("strategy",),
-    "gru_masked": ("strategy",), "attention": ("strategy",)}
-
-
+# Every layer kind in the replica's forward and backward pass, on its shard,
+# its stand-in row and its loss share, on the one path.
 @pytest.mark.parametrize("name,execution", [
-    (name, path) for name in sorted(BUILT_IN) for path in PATHS[name]])
+    (name, "strategy") for name in sorted(BUILT_IN)])
 def test_every_layer_kind_trains_as_one_device(name, execution, cpus,
                                               one_device):
     weights, logs1, evaluated, predicted = _single(one_device, BUILT_IN[name])
@@ -211,7 +199,7 @@ def test_every_layer_kind_trains_as_one_device(name, execution, cpus,
 
 
 @pytest.mark.parametrize("replicas", [2, 3])
-@pytest.mark.parametrize("execution", ["in_graph", "strategy"])
+@pytest.mark.parametrize("execution", ["strategy"])
 def test_every_last_batch_size_below_the_replica_count(replicas, execution,
                                                       cpus, one_device):
     # B < N, B = N + 1 and every last-batch size 1 .. N-1.
@@ -301,11 +289,10 @@ def test_plain_batch_norm_with_empty_shards_keeps_replica_0s_state(cpus):
         return _bn_model(False), dict(loss="mse"), _images(11), _binary(11)
 
     ones = (1,) * 6
-    for execution in ("in_graph", "strategy"):
-        single, _, _, _ = _train(build, wrap=False, sizes=ones)
-        model, _, _, _ = _train(build, wrap=True, execution=execution,
-                                sizes=ones)
-        _assert_same_weights(single, model)
+    single, _, _, _ = _train(build, wrap=False, sizes=ones)
+    model, _, _, _ = _train(build, wrap=True, execution="strategy",
+                            sizes=ones)
+    _assert_same_weights(single, model)
 
 
 # -- models with their own train_step (keras.io style, convolutional) ---------

@@ -77,7 +77,7 @@ def _train(build, shape, wrap, execution, epochs=2, devices=None):
     return [w.numpy() for w in model.weights]
 
 
-@pytest.mark.parametrize("execution", ["in_graph", "strategy"])
+@pytest.mark.parametrize("execution", ["strategy"])
 @pytest.mark.parametrize("build,shape", [(_dense, (6,)),
                                          (_convnet, (8, 8, 3))])
 def test_xla_equals_one_device_with_xla(build, shape, execution, cpus,
@@ -90,7 +90,7 @@ def test_xla_equals_one_device_with_xla(build, shape, execution, cpus,
     assert diff < TOL
 
 
-@pytest.mark.parametrize("execution", ["in_graph", "strategy"])
+@pytest.mark.parametrize("execution", ["strategy"])
 def test_one_trace_serves_every_replica(execution):
     model = _dense()
     model.compile(optimizer="sgd", loss="mse", jit_compile=True)
@@ -126,8 +126,7 @@ for execution, jit in json.loads(sys.argv[2]):
 print(json.dumps(modules))
 """
 # Uncompiled runs first: a module they dumped could not be an earlier run's.
-_RUNS = [("in_graph", False), ("in_graph", "auto"), ("in_graph", True),
-         ("strategy", True)]
+_RUNS = [("strategy", False), ("strategy", "auto"), ("strategy", True)]
 
 
 @pytest.fixture(scope="module")
@@ -148,7 +147,7 @@ def compiled_modules(tmp_path_factory):
             for run, files in names.items()}
 
 
-@pytest.mark.parametrize("execution", ["in_graph", "strategy"])
+@pytest.mark.parametrize("execution", ["strategy"])
 def test_the_replica_function_is_compiled_by_xla(compiled_modules,
                                                  execution):
     modules = compiled_modules[f"{execution}-True"]
@@ -158,8 +157,8 @@ def test_the_replica_function_is_compiled_by_xla(compiled_modules,
 
 def test_no_xla_when_off_or_auto_on_cpu(compiled_modules):
     # Keras's "auto" is False on a CPU-only machine, as on one device.
-    assert compiled_modules["in_graph-False"] == set()
-    assert compiled_modules["in_graph-auto"] == set()
+    assert compiled_modules["strategy-False"] == set()
+    assert compiled_modules["strategy-auto"] == set()
 
 
 def test_auto_follows_keras_single_device_rule(monkeypatch):
@@ -186,7 +185,7 @@ def test_own_step_warns_once_that_it_runs_uncompiled(cpus):
         mirrored.fit(x, y, batch_size=8, epochs=2, verbose=0)
 
 
-@pytest.mark.parametrize("execution", ["in_graph", "strategy"])
+@pytest.mark.parametrize("execution", ["strategy"])
 def test_masked_output_warns_and_stays_exact(execution, one_device):
     def build():
         return keras.Sequential([
@@ -215,7 +214,7 @@ def test_masked_output_warns_and_stays_exact(execution, one_device):
                for a, b in zip(one, train(True))) < TOL
 
 
-@pytest.mark.parametrize("execution", ["in_graph", "strategy"])
+@pytest.mark.parametrize("execution", ["strategy"])
 def test_sparse_gradients_of_an_embedding_with_xla(execution, one_device):
     rng = np.random.default_rng(0)
     x = rng.integers(0, 20, (13, 5))

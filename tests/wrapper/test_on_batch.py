@@ -44,7 +44,7 @@ def test_train_on_batch_unpacks_as_plain_keras(cpus, execution):
     assert mae == pytest.approx(ref_mae, rel=1e-5)
 
 
-@pytest.mark.parametrize("execution", ["in_graph"], indirect=True)
+@pytest.mark.parametrize("execution", ["strategy"], indirect=True)
 def test_a_model_without_metrics_returns_a_scalar(cpus, execution):
     reference, mirrored = _pair(cpus, metrics=())
     x, y, _ = data(5)
@@ -54,7 +54,7 @@ def test_a_model_without_metrics_returns_a_scalar(cpus, execution):
     assert isinstance(mirrored.test_on_batch(x, y), float)
 
 
-@pytest.mark.parametrize("execution", ["in_graph"], indirect=True)
+@pytest.mark.parametrize("execution", ["strategy"], indirect=True)
 def test_return_dict_has_plain_keras_keys_and_floats(cpus, execution):
     reference, mirrored = _pair(cpus)
     x, y, sw = data(6)
@@ -125,8 +125,6 @@ def test_fit_history_and_callbacks_see_plain_keras_keys(cpus):
 
 
 def test_own_train_step_returns_plain_keras_keys(cpus, execution):
-    if execution == "in_graph":
-        pytest.skip("a model's own train_step runs on the strategy path only")
     x = np.linspace(-1, 1, 14, dtype="float32").reshape(7, 2)
     y = x.sum(axis=1, keepdims=True)
     results = []

@@ -96,7 +96,7 @@ def test_user_callback_reaches_layers_and_stops_training(cpus, execution):
     assert max_diff(single.get_weights(), model.get_weights()) < TOL
 
 
-@pytest.mark.parametrize("execution", ["in_graph"], indirect=True)
+@pytest.mark.parametrize("execution", ["strategy"], indirect=True)
 def test_the_callback_model_is_the_users_object(cpus, execution):
     seen = []
     model = _model()
@@ -239,8 +239,6 @@ class _Probe(keras.callbacks.Callback):
 
 
 def test_own_train_step_model_callbacks(cpus, execution, tmp_path):
-    if execution == "in_graph":
-        pytest.skip("a model's own train_step runs on the strategy path only")
     x, y = _data(14)
     x = x[:, :3]
     results = []

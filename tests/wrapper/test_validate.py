@@ -31,7 +31,7 @@ import keras_mirror
 from keras_mirror import errors
 
 
-@pytest.fixture(params=["in_graph", "strategy"])
+@pytest.fixture(params=["strategy"])
 def path(request):
     return request.param
 
@@ -58,7 +58,7 @@ def test_refusal_leaves_the_model_untouched(cpus, name, monkeypatch,
     assert_untouched_and_trains(mirrored, y, before)
 
 
-@pytest.mark.parametrize("execution", ["in_graph", "strategy"])
+@pytest.mark.parametrize("execution", ["strategy"])
 def test_other_strategy_scope_on_both_paths(cpus, execution):
     """The wrapper's own nested calls (validation inside `fit`) pass."""
     mirrored = keras_mirror.MirroredModel(regressor(), cpus,
