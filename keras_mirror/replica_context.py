@@ -65,8 +65,11 @@ class ReplicaContext:
     def __init__(self, replica_id, num_replicas, shard_size,
                  global_batch_size, distributed=False, options=None,
                  gradient_dtype=None, offset=None,
-                 shares_after_gradient=False):
+                 shares_after_gradient=False, traced_once=False):
         self.replica_id = replica_id
+        # Inside the built-in step's work traced once for all replicas
+        # (`steps/_one_trace.py`), where no replica can wait for another.
+        self._traced_once = traced_once
         # A model's own step: each replica's gradients are weighted by its
         # share when applied (`own_step`), not its loss before.
         self._shares_after_gradient = shares_after_gradient
@@ -108,6 +111,7 @@ class ReplicaContext:
         """Sums `value` (a tensor or a structure of them) over replicas."""
         if not self.distributed:
             return value
+        self._check_not_traced_once()
         import tensorflow as tf
 
         # An empty shard runs a stand-in row (`steps/_stand_in.py`): it adds
@@ -154,7 +158,16 @@ class ReplicaContext:
         """
         if not self.distributed:
             return value
+        self._check_not_traced_once()
         return _gather(self, value)
+
+    def _check_not_traced_once(self):
+        """A cross-replica call in work traced once for all replicas says
+        so before TensorFlow sees it; the step then traces per replica."""
+        if self._traced_once:
+            from keras_mirror.steps import _one_trace
+
+            raise _one_trace.ForwardReduces(_one_trace.REDUCES)
 
     def __repr__(self):
         return (f"ReplicaContext(replica_id={self.replica_id}, "

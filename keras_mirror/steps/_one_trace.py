@@ -14,14 +14,19 @@ each device it is called under (`_retrace_functions_for_each_device`), so a
 is what every replica calls. Its ops carry no device; each call runs on the
 device of its replica's scope.
 
-Where the work cannot be traced once, the step traces it per replica as
-before, without a word (the trace is only a start-up cost): a masked
-output (its loss shares need every replica's count, an all-reduce), sparse
-or ragged shards (`Traced`), and any
-cross-replica reduction inside the forward pass (TensorFlow refuses
-`merge_call` inside a nested function: "`merge_call` called while defining
-a new graph or a tf.function").
+Where the work cannot be traced once, the step traces it per replica, and
+the reason is logged once (logger `keras_mirror`, INFO) and kept (the trace
+is only a start-up cost). Decided before tracing: a model's own `train_step`,
+synchronized BatchNormalization, `run_eagerly`, one local replica without
+XLA, and sparse or ragged input (`composite`). Signalled by keras-mirror's
+own code the moment the trace meets it, before TensorFlow does (`Unshared`,
+never an error message of TensorFlow's): a masked output (its loss shares
+need every replica's count, an all-reduce) and a cross-replica call of
+`replica_context()` inside the forward pass (no replica can wait for
+another inside one trace).
 """
+
+import logging
 
 import tensorflow as tf
 
@@ -99,7 +104,19 @@ def finisher(mirrored, keys):
 
 
 class Unshared(Exception):
-    """Raised before tracing work that one trace cannot serve exactly."""
+    """Raised before tracing work that one trace cannot serve exactly.
+
+    The reason is the class's (`reason`): Keras re-raises an exception from
+    a layer's `call` as a new one of the same class with its own text.
+    """
+
+    reason = SPARSE
+
+
+class ForwardReduces(Unshared):
+    """A cross-replica call of `replica_context()` in the forward pass."""
+
+    reason = REDUCES
 
 
 class Traced:
@@ -158,30 +175,40 @@ def _specs(structure, shard):
     return tf.nest.map_structure(spec, structure, expand_composites=False)
 
 
-def run(mirrored, traced, plain):
+def composite(data):
+    """Whether any leaf of the step's input is sparse or ragged."""
+    return any(isinstance(t, (tf.SparseTensor, tf.RaggedTensor))
+               for t in tf.nest.flatten(data))
+
+
+def run(mirrored, traced, plain, data=None):
     """`traced()` (the step with the work traced once), else `plain()`.
 
-    A trace that cannot serve every replica turns the single trace off for
-    this wrapper, and the step is built again by `plain()`.
+    Decided before tracing where the input says it (sparse or ragged
+    leaves: `composite`); a trace that meets what it cannot serve raises
+    keras-mirror's own `Unshared` or `_xla.Unsupported`, which turns the
+    single trace off for this wrapper, and the step is built by `plain()`.
     """
+    if enabled(mirrored) and composite(data) and not _xla.enabled(
+            mirrored):
+        turn_off(mirrored, SPARSE)
     if not enabled(mirrored):
         _xla.enabled(mirrored)  # warns once why XLA is off, if it was asked
-    else:
-        try:
-            return traced()
-        except _xla.Unsupported as e:
-            turn_off(mirrored, str(e))
-        except Unshared as e:
-            mirrored.__dict__["_one_trace_off"] = str(e)
-        except RuntimeError as e:
-            if "merge_call" not in str(e) and REDUCES not in str(e):
-                raise
-            turn_off(mirrored, REDUCES)
+        return plain()
+    try:
+        return traced()
+    except _xla.Unsupported as e:
+        turn_off(mirrored, str(e))
+    except Unshared as e:
+        turn_off(mirrored, type(e).reason)
     return plain()
 
 
 def turn_off(mirrored, reason):
     """Traces per replica from now on (and without XLA, saying why)."""
-    if _xla.enabled(mirrored):
+    if _xla.enabled(mirrored) and reason != SPARSE:
         _xla.turn_off(mirrored, reason)
     mirrored.__dict__["_one_trace_off"] = reason
+    logging.getLogger("keras_mirror").info(
+        "keras-mirror traces the replica step per replica, not once for "
+        "all replicas, because %s.", reason)

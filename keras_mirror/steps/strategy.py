@@ -79,7 +79,7 @@ class ReplicaSteps:
         it = iter(packed)
         return tuple(next(it) if p else None for p in present)
 
-    def _context(self, global_rows, sizes, r=None):
+    def _context(self, global_rows, sizes, r=None, traced_once=False):
         """Makes `replica_context()` describe this replica in its step.
 
         Its shard size is the plan's (0 for a stand-in replica, whose
@@ -92,7 +92,8 @@ class ReplicaSteps:
             r, self.num_replicas, tf.gather(sizes, r), global_rows,
             distributed=True, options=self._comm_options,
             gradient_dtype=self._gradient_dtype,
-            offset=tf.gather(split.offsets_tensor(sizes), r)))
+            offset=tf.gather(split.offsets_tensor(sizes), r),
+            traced_once=traced_once))
 
     @staticmethod
     def _real_rows():
@@ -158,7 +159,7 @@ class ReplicaSteps:
         shares need an all-reduce) raises `_xla.Unsupported` while tracing.
         """
         def body(x, y, sw, sizes, r, scale):
-            with self._context(global_rows, sizes, r):
+            with self._context(global_rows, sizes, r, traced_once=True):
                 y_pred = self._inner(x, training=True)
                 _xla.check_no_mask(arithmetic.output_mask(y_pred))
                 contribution, shard = self._replica_loss(
@@ -258,7 +259,7 @@ class ReplicaSteps:
         sizes = self._plan_sizes(rows)
         shards = self._distribute(packed, sizes)
         y_pred, loss, stats = self._run_train(shards, present, rows, start,
-                                              sizes)
+                                              sizes, packed)
         self._sync_state()
         y_pred = self._gather_predictions(y_pred)
         logs = self._track(x, y, y_pred, sw, self._first(loss), rows)
@@ -266,7 +267,7 @@ class ReplicaSteps:
             logs[_replica_logs.PACKED] = self._gather(stats)
         return logs
 
-    def _run_train(self, shards, present, rows, start, sizes):
+    def _run_train(self, shards, present, rows, start, sizes, data=None):
         """`strategy.run` of the replica step, its work traced once (and
         XLA-compiled) where it can be (`_one_trace`)."""
         args = (shards, present, rows, start, sizes)
@@ -278,7 +279,8 @@ class ReplicaSteps:
                     args=args + ((self._traced_work(rows),
                                   _one_trace.finisher(self, self._stat_keys())
                                   ),)),
-                lambda: self._strategy.run(self._replica_train, args=args))
+                lambda: self._strategy.run(self._replica_train, args=args),
+                data)
 
     def _sync_state(self):
         """Copies replica 0's non-trainable state to the other replicas.
