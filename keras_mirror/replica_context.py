@@ -165,15 +165,27 @@ class ReplicaContext:
         """A cross-replica call in work traced once for all replicas says
         so before TensorFlow sees it; the step then traces per replica."""
         if self._traced_once:
-            from keras_mirror.steps import _one_trace
-
-            raise _one_trace.ForwardReduces(_one_trace.REDUCES)
+            raise InTracedOnce(InTracedOnce.reason)
 
     def __repr__(self):
         return (f"ReplicaContext(replica_id={self.replica_id}, "
                 f"num_replicas={self.num_replicas}, "
                 f"shard_size={self.shard_size}, "
                 f"global_batch_size={self.global_batch_size})")
+
+
+class InTracedOnce(Exception):
+    """A cross-replica call met inside work traced once for all replicas.
+
+    Raised by keras-mirror's own check, before TensorFlow sees the call;
+    the built-in step then traces its work per replica
+    (`steps/_one_trace.py`). The reason is the class's: Keras re-raises an
+    exception from a layer's `call` as a new one with its own text.
+    """
+
+    reason = ("the forward pass all-reduces across replicas, which no "
+              "replica can wait for inside a function traced once for all "
+              "replicas")
 
 
 def _gather(context, value):

@@ -30,12 +30,12 @@ import logging
 
 import tensorflow as tf
 
+from keras_mirror.replica_context import InTracedOnce
 from keras_mirror.steps import _xla
 from keras_mirror.steps import arithmetic
 
 SPARSE = "a shard is sparse or ragged"
-REDUCES = ("the forward pass all-reduces across replicas, which TensorFlow "
-           "does not allow inside a function traced once for all replicas")
+REDUCES = InTracedOnce.reason
 
 
 def enabled(mirrored):
@@ -113,10 +113,6 @@ class Unshared(Exception):
     reason = SPARSE
 
 
-class ForwardReduces(Unshared):
-    """A cross-replica call of `replica_context()` in the forward pass."""
-
-    reason = REDUCES
 
 
 class Traced:
@@ -199,7 +195,7 @@ def run(mirrored, traced, plain, data=None):
         return traced()
     except _xla.Unsupported as e:
         turn_off(mirrored, str(e))
-    except Unshared as e:
+    except (Unshared, InTracedOnce) as e:
         turn_off(mirrored, type(e).reason)
     return plain()
 
