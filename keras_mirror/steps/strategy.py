@@ -27,6 +27,12 @@ from keras_mirror.steps import _xla
 from keras_mirror.steps import arithmetic
 
 
+def _real_rows_of(sizes):
+    """This replica's rows of the plan `sizes` (0: a stand-in row)."""
+    r = tf.distribute.get_replica_context().replica_id_in_sync_group
+    return tf.cast(tf.gather(sizes, r), tf.int32)
+
+
 class ReplicaSteps:
     """Mixin of `MirroredModel` holding its `train/test/predict_step`."""
 
@@ -180,11 +186,6 @@ class ReplicaSteps:
         _xla.assign(inner.non_trainable_variables, updates)
         return y_pred, contribution, shard, None, grads
 
-    @staticmethod
-    def _real_rows_of(sizes):
-        r = tf.distribute.get_replica_context().replica_id_in_sync_group
-        return tf.cast(tf.gather(sizes, r), tf.int32)
-
     def _replica_train(self, packed, present, global_rows, start, sizes,
                        traced=None):
         x, y, sw = self._unpack(packed, present)
@@ -194,7 +195,7 @@ class ReplicaSteps:
         if traced is not None:  # (work, finish), each traced once
             y_pred, contribution, shard, mask, grads = self._replica_traced(
                 traced[0], x, y, sw, global_rows, sizes)
-            rows = self._real_rows_of(sizes)
+            rows = _real_rows_of(sizes)
             sw = _stand_in.real_rows(sw, rows)
             grads, stats = traced[1](grads, shard, rows, sw, start)
         else:
