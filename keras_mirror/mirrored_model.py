@@ -101,6 +101,11 @@ class MirroredModel(ReplicaAttributes, _user_model.UserModelState,
             `worker_input="shard"`, fixed for the run: 1, 2, 3 workers or an
             elastic restart train on the same batches (docs/multi-worker.md).
             Default None: `KERAS_MIRROR_VIRTUAL_SHARDS`, else the workers.
+        batchnorm: str. `"global"` (default): plain `BatchNormalization`
+            normalises by the moments of the global batch's real rows, as
+            on one device (an all-reduce in the forward pass).
+            `"per_replica"`: each shard by its own moments (Keras's plain
+            behaviour under `tf.distribute`; not exact).
         replica_stats: bool. Whether each training step computes the
             per-replica statistics (`replica_loss`, `replica_samples`,
             `replica_sample_weight`, `replica_grad_norm`,
@@ -136,14 +141,15 @@ class MirroredModel(ReplicaAttributes, _user_model.UserModelState,
                  on_nonfinite="warn", gradient_dtype=None, bytes_per_pack=0,
                  communication="auto", timeout_seconds=None, cluster=None,
                  worker_input="replicate", execution="auto",
-                 replica_stats=True, name=None, virtual_shards=None):
+                 replica_stats=True, name=None, virtual_shards=None,
+                 batchnorm="global"):
         _compat.check_keras_version()
         _compat.check_backend()
         _rebuild.check_no_outer_scope(model)
         _rebuild.check_model(model)
         comm = _arguments.check_construction(
             batch, on_nonfinite, replica_stats, communication, bytes_per_pack,
-            timeout_seconds, gradient_dtype, execution)
+            timeout_seconds, gradient_dtype, execution, batchnorm)
         _rebuild.check_not_wrapped(model)
         resolved = devices_lib.resolve_devices(devices)
         spec = _multi_worker.cluster_spec(cluster)
@@ -185,6 +191,7 @@ class MirroredModel(ReplicaAttributes, _user_model.UserModelState,
             _homes.VariableHomes(original, strategy)
             if execution == "strategy" else _homes.NoHomes()))
         self._batch_mode = batch
+        self._batchnorm = batchnorm
         self._capacity = None
         self.on_nonfinite = on_nonfinite
         self._replica_stats = replica_stats

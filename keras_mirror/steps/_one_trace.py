@@ -25,6 +25,7 @@ a new graph or a tf.function").
 
 import tensorflow as tf
 
+from keras_mirror.steps import _batchnorm
 from keras_mirror.steps import _xla
 from keras_mirror.steps import arithmetic
 
@@ -47,8 +48,9 @@ def enabled(mirrored):
         return False
     if getattr(mirrored._inner, "run_eagerly", False):
         return False
-    if mirrored._execution == "strategy" and mirrored.__dict__.get(
-            "_synchronized"):
+    if mirrored._execution == "strategy" and \
+            _batchnorm.needs_forward_collectives(
+                mirrored._inner, getattr(mirrored, "_batchnorm", "global")):
         return False
     if len(mirrored.devices) == 1 or mirrored._multi_worker:
         return _xla.enabled(mirrored)
