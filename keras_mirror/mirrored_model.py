@@ -94,6 +94,11 @@ class MirroredModel(ReplicaAttributes, _user_model.UserModelState,
             `worker_input="shard"`, fixed for the run: 1, 2, 3 workers or an
             elastic restart train on the same batches (docs/multi-worker.md).
             Default None: `KERAS_MIRROR_VIRTUAL_SHARDS`, else the workers.
+        batchnorm: str. `"global"` (default): plain `BatchNormalization`
+            normalises by the moments of the global batch's real rows, as
+            on one device (an all-reduce in the forward pass).
+            `"per_replica"`: each shard by its own moments (Keras's plain
+            behaviour under `tf.distribute`; not exact).
         replica_stats: bool. Whether each training step computes the
             per-replica statistics (`replica_loss`, `replica_samples`,
             `replica_sample_weight`, `replica_grad_norm`,
@@ -129,14 +134,15 @@ class MirroredModel(ReplicaAttributes, _user_model.UserModelState,
                  on_nonfinite="warn", gradient_dtype=None, bytes_per_pack=0,
                  communication="auto", timeout_seconds=None, cluster=None,
                  worker_input="replicate", execution="auto",
-                 replica_stats=True, name=None, virtual_shards=None):
+                 replica_stats=True, name=None, virtual_shards=None,
+                 batchnorm="global"):
         _compat.check_keras_version()
         _compat.check_backend()
         _rebuild.check_no_outer_scope(model)
         _rebuild.check_model(model)
         comm = _arguments.check_construction(
             batch, on_nonfinite, replica_stats, communication, bytes_per_pack,
-            timeout_seconds, gradient_dtype, execution)
+            timeout_seconds, gradient_dtype, execution, batchnorm)
         _rebuild.check_not_wrapped(model)
         resolved = devices_lib.resolve_devices(devices)
         spec = _multi_worker.cluster_spec(cluster)
@@ -148,7 +154,6 @@ class MirroredModel(ReplicaAttributes, _user_model.UserModelState,
             strategy = devices_lib.multi_worker_strategy(spec, resolved, comm)
         original = _rebuild.build_original(model)
         _rebuild.check_original(original, len(resolved), spec)
-        synchronized = tuple(_rebuild.synchronized_layers(original))
         execution, reason = _execution.pick(execution, resolved, spec)
         if spec is None:
             strategy = devices_lib.mirrored_strategy(resolved, communication)
@@ -158,7 +163,6 @@ class MirroredModel(ReplicaAttributes, _user_model.UserModelState,
         self._devices = tuple(resolved)
         self._execution = execution
         self._execution_reason = reason
-        object.__setattr__(self, "_synchronized", synchronized)
         self._multi_worker = spec is not None
         self._cluster = spec
         self._worker_input = worker_input
@@ -168,6 +172,7 @@ class MirroredModel(ReplicaAttributes, _user_model.UserModelState,
         object.__setattr__(self, "_homes",
                            _homes.VariableHomes(original, strategy))
         self._batch_mode = batch
+        self._batchnorm = batchnorm
         self._capacity = None
         self.on_nonfinite = on_nonfinite
         self._replica_stats = replica_stats

@@ -42,6 +42,7 @@ from keras_mirror._compat.keras_backend import (
 from keras_mirror._compat.keras_backend import (
     _VARIABLE_INITIALIZE as _VARIABLE_INITIALIZE,
 )
+from keras_mirror._compat.keras_backend import LOCAL_MOMENTS as LOCAL_MOMENTS
 from keras_mirror._compat.keras_backend import (
     RANDOM_FUNCTIONS as RANDOM_FUNCTIONS,
 )

@@ -123,6 +123,7 @@ def random_module():
 # (an empty shard running one row, `steps/_stand_in.py`) adds nothing.
 _NN_MODULE = "keras.src.backend.tensorflow.nn"
 SYNC_MOMENTS = "_compute_moments_sync"
+LOCAL_MOMENTS = "_compute_moments"  # plain BatchNorm's, made global
 
 
 def moments_module():
@@ -130,7 +131,7 @@ def moments_module():
     import importlib
 
     module = importlib.import_module(_NN_MODULE)
-    _require(module, (SYNC_MOMENTS, "moments"), _NN_MODULE,
+    _require(module, (SYNC_MOMENTS, LOCAL_MOMENTS, "moments"), _NN_MODULE,
              "leave empty shards out of synchronized BatchNorm statistics")
     return module
 

@@ -31,6 +31,7 @@ import logging
 import tensorflow as tf
 
 from keras_mirror.replica_context import InTracedOnce
+from keras_mirror.steps import _batchnorm
 from keras_mirror.steps import _xla
 from keras_mirror.steps import arithmetic
 
@@ -42,8 +43,9 @@ def enabled(mirrored):
     """Whether the built-in step's replica work is traced once.
 
     Not for a model's own `train_step` (its optimizer all-reduces inside
-    the step), synchronized BatchNormalization on the `"strategy"` path (an
-    all-reduce in the forward pass), `run_eagerly`, or once a trace failed;
+    the step), BatchNormalization whose statistics are the global batch's
+    (synchronized, or plain with `batchnorm="global"`: an all-reduce in the
+    forward pass, logged once), `run_eagerly`, or once a trace failed;
     with one local replica (one device, or a multi-worker process) only
     for XLA, whose compiled function it is (one trace has nothing to share
     there).
@@ -52,8 +54,9 @@ def enabled(mirrored):
         return False
     if getattr(mirrored._inner, "run_eagerly", False):
         return False
-    if mirrored.__dict__.get(
-            "_synchronized"):
+    if _batchnorm.needs_forward_collectives(
+            mirrored._inner, getattr(mirrored, "_batchnorm", "global")):
+        _log_once(mirrored, _batchnorm.FORWARD_COLLECTIVES)
         return False
     if len(mirrored.devices) == 1 or mirrored._multi_worker:
         return _xla.enabled(mirrored)
@@ -205,6 +208,16 @@ def turn_off(mirrored, reason):
     if _xla.enabled(mirrored) and reason != SPARSE:
         _xla.turn_off(mirrored, reason)
     mirrored.__dict__["_one_trace_off"] = reason
+    _log_once(mirrored, reason)
+
+
+def _log_once(mirrored, reason):
+    """Says once per wrapper and reason why the work is traced per replica.
+    """
+    said = mirrored.__dict__.setdefault("_one_trace_said", set())
+    if reason in said:
+        return
+    said.add(reason)
     logging.getLogger("keras_mirror").info(
         "keras-mirror traces the replica step per replica, not once for "
         "all replicas, because %s.", reason)

@@ -7,6 +7,7 @@ import weakref
 import tensorflow as tf
 
 from keras_mirror import _compat
+from keras_mirror.steps import _batchnorm
 from keras_mirror.steps import _metric_weights
 from keras_mirror.steps import _random
 from keras_mirror.steps import _stand_in
@@ -24,6 +25,8 @@ def replica_scope(mirrored):
       (`_metric_weights`), an output's loss that is a batch sum as a sum;
     - an empty shard's stand-in row updates no metric and stays out of
       synchronized BatchNorm's statistics (`_stand_in`);
+    - plain BatchNorm's moments are the global batch's unless
+      `batchnorm="per_replica"` (`_batchnorm`);
     - a stateful TF random op in the step (`tf.random.normal`), which
       draws per replica, is warned about once (`warn_stateful_draws`).
     """
@@ -33,7 +36,9 @@ def replica_scope(mirrored):
     version = graph.version
     with _compat.unscaled_losses(), _random.exact_draws(), \
             _metric_weights.replica_weights(mirrored._inner, sums), \
-            _stand_in.exclude_from_moments():
+            _stand_in.exclude_from_moments(), \
+            _batchnorm.global_moments(
+                getattr(mirrored, "_batchnorm", "global")):
         yield
     warn_stateful_draws(mirrored, graph, version)
 

@@ -23,10 +23,10 @@ import warnings
 import keras
 import tensorflow as tf
 
+from keras_mirror.steps import _batchnorm
+
 MASKED = ("the model's output carries a Keras mask, whose loss shares need "
           "every replica's count of unmasked entries (an all-reduce)")
-SYNCHRONIZED = ("the model has synchronized BatchNormalization, which "
-                "all-reduces its statistics inside the forward pass")
 OWN_STEP = (
     "the model has its own `train_step`, whose optimizer `apply` "
     "all-reduces the gradients inside the step. Compile the parts of your "
@@ -62,9 +62,9 @@ def enabled(mirrored):
     if mirrored._custom_step:
         warn_once(mirrored, OWN_STEP)
         return False
-    if mirrored.__dict__.get(
-            "_synchronized"):
-        warn_once(mirrored, SYNCHRONIZED)
+    if _batchnorm.needs_forward_collectives(
+            inner, getattr(mirrored, "_batchnorm", "global")):
+        warn_once(mirrored, _batchnorm.FORWARD_COLLECTIVES)
         return False
     return True
 

@@ -12,6 +12,7 @@ import numpy as np
 
 from keras_mirror import allreduce
 from keras_mirror.steps import _execution
+from keras_mirror.steps._batchnorm import BATCHNORM_MODES
 
 BATCH_MODES = ("global", "per_replica")
 NONFINITE_MODES = ("warn", "skip_step", "raise")
@@ -115,7 +116,7 @@ def check_choice(name, value, choices):
 
 def check_construction(batch, on_nonfinite, replica_stats, communication,
                        bytes_per_pack, timeout_seconds, gradient_dtype,
-                       execution):
+                       execution, batchnorm="global"):
     """`MirroredModel`'s scalar arguments; returns the collective options.
     """
     check_choice("batch", batch, BATCH_MODES)
@@ -130,4 +131,5 @@ def check_construction(batch, on_nonfinite, replica_stats, communication,
     allreduce.check_gradient_dtype(gradient_dtype)
     _execution.check(execution)
     check_choice("execution", execution, _execution.EXECUTIONS)
+    check_choice("batchnorm", batchnorm, BATCHNORM_MODES)
     return comm

@@ -1,0 +1,112 @@
+"""Plain BatchNormalization normalised by the global batch.
+
+On one device, `BatchNormalization` normalises by the moments of the whole
+batch. Split across replicas, Keras's plain layer normalises each shard by
+its own moments and keeps replica 0's moving statistics: not one device's
+model. With `batchnorm="global"` (the default) every moment over the batch
+axis taken inside a replica step is the global batch's (sums and counts
+all-reduced, a stand-in row left out, `two_pass_moments`), so every
+replica normalises by, and keeps moving statistics of, the real rows of
+the whole global batch.
+`batchnorm="per_replica"` keeps each shard's own moments (Keras's plain
+behaviour under `tf.distribute`).
+
+Moments over other axes (`LayerNormalization`, `GroupNormalization`) are
+per row and stay local.
+"""
+
+import contextlib
+
+import keras
+import tensorflow as tf
+
+from keras_mirror import _compat
+from keras_mirror.steps import _stand_in
+
+BATCHNORM_MODES = ("global", "per_replica")
+FORWARD_COLLECTIVES = (
+    "the model's BatchNormalization normalises by the global batch's "
+    "statistics (synchronized, or `batchnorm='global'`), an all-reduce "
+    "inside the forward pass")
+
+
+def reduces_batch_axis(x, axes):
+    """Whether `axes` of `x` include the batch axis (axis 0)."""
+    rank = x.shape.rank
+    if rank is None:
+        return False
+    return 0 in [int(a) % rank for a in tf.nest.flatten(axes)]
+
+
+def two_pass_moments(replica_ctx, x, axes, keepdims):
+    """The global batch's mean, then its variance about that mean.
+
+    One device's arithmetic (`tf.nn.moments`: the mean, then the mean of
+    squared differences), not Keras's synchronized one (the mean of squares
+    minus the squared mean), which loses digits on a few rows of large
+    values. A stand-in replica's terms are multiplied by 0.
+    """
+    stand_in = _stand_in.is_stand_in()
+    keep = tf.constant(1.0, x.dtype) if stand_in is None else tf.cast(
+        tf.logical_not(stand_in), x.dtype)
+
+    def total(t):
+        return replica_ctx.all_reduce(
+            tf.distribute.ReduceOp.SUM,
+            tf.reduce_sum(t, axis=axes, keepdims=True) * keep)
+
+    count = total(tf.ones_like(x))
+    mean = tf.math.divide_no_nan(total(x), count)
+    variance = tf.math.divide_no_nan(
+        total(tf.math.squared_difference(x, tf.stop_gradient(mean))),
+        count)
+    if not keepdims:
+        mean, variance = tf.squeeze(mean, axes), tf.squeeze(variance, axes)
+    return mean, variance
+
+
+def _global(original):
+    """`_compute_moments` made global over the batch axis in a replica."""
+
+    def moments(x, axes, keepdims):
+        replica_ctx = tf.distribute.get_replica_context()
+        if replica_ctx is None or replica_ctx.num_replicas_in_sync == 1 or \
+                not reduces_batch_axis(x, axes):
+            return original(x, axes, keepdims)
+        return two_pass_moments(replica_ctx, x, axes, keepdims)
+
+    return moments
+
+
+@contextlib.contextmanager
+def global_moments(batchnorm):
+    """Within the block, plain BatchNorm's moments are the global batch's
+    (`batchnorm="global"`); a no-op for `"per_replica"`."""
+    if batchnorm != "global":
+        yield
+        return
+    module = _compat.moments_module()
+    original = getattr(module, _compat.LOCAL_MOMENTS)
+    with _compat.replaced(module, {
+            _compat.LOCAL_MOMENTS: _global(original)}):
+        yield
+
+
+def batchnorm_layers(model):
+    """The model's `BatchNormalization` layers, nested ones included."""
+    from keras_mirror.wrapper import _rebuild
+
+    return [layer for layer in _rebuild.all_layers(model)
+            if isinstance(layer, keras.layers.BatchNormalization)]
+
+
+def needs_forward_collectives(model, batchnorm):
+    """Whether the forward pass all-reduces (so no one-trace step).
+
+    True for a synchronized BatchNormalization, and for any plain one with
+    `batchnorm="global"`.
+    """
+    for layer in batchnorm_layers(model):
+        if layer.synchronized or batchnorm == "global":
+            return True
+    return False

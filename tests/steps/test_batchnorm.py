@@ -1,0 +1,113 @@
+"""Plain BatchNormalization normalised by the global batch (`_batchnorm`).
+"""
+
+import keras
+import numpy as np
+import pytest
+import tensorflow as tf
+from keras import layers
+
+import keras_mirror
+from keras_mirror.steps import _batchnorm
+
+TOL = 1e-5
+# 4 replicas: 2/2/2/1, 1/1/1/0 (an empty shard), 1/1/0/0, 3/2/2/2.
+SIZES = (7, 3, 2, 9)
+
+
+def _batches(x, y):
+    ds, start = None, 0
+    for size in SIZES:
+        part = tf.data.Dataset.from_tensors(
+            (x[start:start + size], y[start:start + size]))
+        ds = part if ds is None else ds.concatenate(part)
+        start += size
+    return ds
+
+
+def convnet():
+    rng = np.random.default_rng(0)
+    model = keras.Sequential([
+        keras.Input((8, 8, 3)), layers.Conv2D(4, 3),
+        layers.BatchNormalization(), layers.ReLU(),
+        layers.GlobalAveragePooling2D(), layers.Dense(1)])
+    x = rng.normal(size=(21, 8, 8, 3)).astype("float32")
+    return model, x
+
+
+def mlp():
+    rng = np.random.default_rng(1)
+    model = keras.Sequential([
+        keras.Input((6,)), layers.Dense(8), layers.BatchNormalization(),
+        layers.ReLU(), layers.Dense(8),
+        layers.BatchNormalization(momentum=0.5), layers.Dense(1)])
+    x = rng.normal(size=(21, 6)).astype("float32") * 3 + 1
+    return model, x
+
+
+def _train(builder, wrap, **kwargs):
+    keras.utils.set_random_seed(7)
+    model, x = builder()
+    y = np.random.default_rng(2).normal(size=(21, 1)).astype("float32")
+    model.compile(optimizer=keras.optimizers.SGD(0.05), loss="mse")
+    target = keras_mirror.MirroredModel(
+        model, execution="strategy", **kwargs) if wrap else model
+    target.fit(_batches(x, y), epochs=2, verbose=0)
+    return model
+
+
+def _max_diff(a, b):
+    return max(float(np.max(np.abs(u - v)))
+               for u, v in zip(a.get_weights(), b.get_weights()))
+
+
+def _moving(model):
+    return [w for w in model.weights if "moving" in w.path]
+
+
+@pytest.mark.parametrize("builder", [convnet, mlp])
+def test_plain_batch_norm_trains_as_one_device(cpus, builder):
+    """Weights and moving statistics equal one device's, empty shards too.
+    """
+    single = _train(builder, wrap=False)
+    model = _train(builder, wrap=True)
+    assert _moving(model)
+    assert _max_diff(single, model) < TOL
+
+
+@pytest.mark.parametrize("builder", [convnet, mlp])
+def test_per_replica_batch_norm_keeps_each_shards_statistics(cpus, builder):
+    """`batchnorm="per_replica"`: Keras's per-shard statistics, not exact.
+    """
+    single = _train(builder, wrap=False)
+    model = _train(builder, wrap=True, batchnorm="per_replica")
+    assert _max_diff(single, model) > 1e-3
+
+
+def test_batchnorm_argument_is_validated(cpus):
+    model = keras.Sequential([keras.Input((2,)), layers.Dense(1)])
+    with pytest.raises(ValueError, match=r"`batchnorm` must be one of "
+                       r"\('global', 'per_replica'\)\. "
+                       r"Received: batchnorm='sync'"):
+        keras_mirror.MirroredModel(model, batchnorm="sync")
+
+
+def test_layer_norm_moments_stay_local(cpus):
+    """Moments over the features (LayerNorm's) are not all-reduced."""
+    x = tf.zeros((3, 4, 5))
+    assert _batchnorm.reduces_batch_axis(x, [0, 1])
+    assert _batchnorm.reduces_batch_axis(x, [-3])
+    assert not _batchnorm.reduces_batch_axis(x, [-1])
+    assert not _batchnorm.reduces_batch_axis(x, (1, 2))
+
+
+def test_needs_forward_collectives():
+    plain = keras.Sequential([keras.Input((2,)),
+                              layers.BatchNormalization()])
+    synced = keras.Sequential([keras.Input((2,)),
+                               layers.BatchNormalization(synchronized=True)])
+    dense = keras.Sequential([keras.Input((2,)), layers.Dense(1)])
+    assert _batchnorm.needs_forward_collectives(plain, "global")
+    assert not _batchnorm.needs_forward_collectives(plain, "per_replica")
+    assert _batchnorm.needs_forward_collectives(synced, "per_replica")
+    assert not _batchnorm.needs_forward_collectives(dense, "global")
