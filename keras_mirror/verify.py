@@ -139,16 +139,42 @@ def _check(steps, tolerance, fit_kwargs):
     if isinstance(steps, bool) or not isinstance(steps, int) or steps < 1:
         raise ValueError(
             f"`steps` must be a positive integer. Received: steps={steps!r}")
-    if not isinstance(tolerance, (int, float)) or tolerance < 0:
+    if isinstance(tolerance, bool) or \
+            not isinstance(tolerance, (int, float)) or \
+            not math.isfinite(tolerance) or tolerance < 0:
         raise ValueError(
-            "`tolerance` must be a non-negative number. "
+            "`tolerance` must be a finite non-negative number. "
             f"Received: tolerance={tolerance!r}")
+    _check_callbacks(fit_kwargs.get("callbacks"))
     for name in ("epochs", "steps_per_epoch", "verbose", "initial_epoch"):
         if name in fit_kwargs:
             raise ValueError(
                 f"`verify` runs `steps` steps of one epoch, silently: "
                 f"`{name}` is its own. Pass `steps=...` instead. "
                 f"Received: {name}={fit_kwargs[name]!r}")
+
+
+def _check_callbacks(callbacks):
+    """Refuses what `fit` cannot take, before anything runs or is touched.
+
+    A `StepBackup` is refused: verify runs two scratch trainings that must
+    not write (or resume from) the user's backup directory.
+    """
+    if callbacks is None:
+        return
+    if isinstance(callbacks, (str, bytes, keras.callbacks.Callback)) or \
+            not isinstance(callbacks, (list, tuple)) or not all(
+                isinstance(c, keras.callbacks.Callback) for c in callbacks):
+        raise ValueError(
+            "`callbacks` must be a list of `keras.callbacks.Callback` "
+            f"instances. Received: callbacks={callbacks!r}")
+    for c in callbacks:
+        if any(t.__name__ == "StepBackup" for t in type(c).__mro__):
+            raise ValueError(
+                "`verify` runs two scratch trainings and cannot take a "
+                "`StepBackup` (it would write or resume the backup). "
+                "Remove it from `callbacks`. "
+                f"Received: callbacks={callbacks!r}")
 
 
 def _replayable(x, elements):

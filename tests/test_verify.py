@@ -8,6 +8,8 @@ restored exactly afterwards, so that a following `fit` equals a `fit`
 without `verify`.
 """
 
+import re
+
 import keras
 import numpy as np
 import pytest
@@ -271,8 +273,13 @@ def test_verify_refuses_its_own_arguments(cpus, execution):
     with pytest.raises(ValueError, match=r"`epochs` is its own.*"
                        r"Received: epochs=2"):
         mirrored.verify(x, y, epochs=2)
-    with pytest.raises(ValueError, match="Received: tolerance=-1"):
-        mirrored.verify(x, y, tolerance=-1)
+    for bad in (-1, float("nan"), True, "x", float("inf")):
+        with pytest.raises(ValueError,
+                           match=re.escape(f"Received: tolerance={bad!r}")):
+            mirrored.verify(x, y, tolerance=bad)
+    with pytest.raises(ValueError,
+                       match="Received: callbacks='tensorboard'"):
+        mirrored.verify(x, y, callbacks="tensorboard")
 
 
 @pytest.mark.parametrize("execution", ["strategy"], indirect=True)

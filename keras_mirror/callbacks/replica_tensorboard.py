@@ -97,6 +97,11 @@ class ReplicaTensorBoard(keras.callbacks.Callback):
             raise ValueError(
                 "`write_global` must be True or False. "
                 f"Received: write_global={write_global!r}")
+        if isinstance(log_dir, bytes) or not isinstance(
+                log_dir, (str, os.PathLike)) or not os.fspath(log_dir):
+            raise ValueError(
+                "`log_dir` must be a non-empty str or path-like. "
+                f"Received: log_dir={log_dir!r}")
         self.log_dir = os.fspath(log_dir)
         self.update_freq = update_freq
         self.write_global = write_global

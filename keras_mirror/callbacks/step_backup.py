@@ -45,6 +45,7 @@ import keras
 import numpy as np
 
 from keras_mirror import errors
+from keras_mirror.callbacks import _backup_fields
 from keras_mirror.distribute import _homes
 from keras_mirror.distribute import _preemption
 from keras_mirror.distribute import _virtual_shards
@@ -153,8 +154,11 @@ class StepBackup(keras.callbacks.Callback):
     def _read(self):
         """The backup's arrays by key; StepBackupError if unreadable."""
         try:
-            with np.load(self.path) as f:
+            with _backup_fields.open_regular(self.path) as raw, \
+                    np.load(raw, allow_pickle=False) as f:
                 return {k: f[k] for k in f.files}
+        except errors.StepBackupError:
+            raise
         except (OSError, ValueError, EOFError, KeyError,
                 zipfile.BadZipFile, zlib.error) as e:
             raise errors.StepBackupError(
@@ -175,6 +179,11 @@ class StepBackup(keras.callbacks.Callback):
                 f"it holds {counts[0]} model and {counts[1]} optimizer "
                 f"variables, the model and optimizer have "
                 f"{len(model_vars)} and {len(opt_vars)}")
+        position = arrays["position"]
+        if position.shape != (2,) or position.dtype.kind not in "iu":
+            raise self._mismatch(
+                "field 'position' must be 2 integers (epoch, step); "
+                f"Received: position={_backup_fields.show(position)}")
         for prefix, group in (("w", model_vars), ("o", opt_vars)):
             for i, v in enumerate(group):
                 value = arrays[f"{prefix}{i}"]
@@ -182,6 +191,10 @@ class StepBackup(keras.callbacks.Callback):
                     raise self._mismatch(
                         f"variable {v.path!r} has shape {tuple(v.shape)}, "
                         f"the backup {tuple(value.shape)}")
+                if not _backup_fields.same_kind(value.dtype, v.dtype):
+                    raise self._mismatch(
+                        f"field '{prefix}{i}' (variable {v.path!r}) must "
+                        f"be {v.dtype}; Received: dtype={value.dtype}")
 
     def _mismatch(self, detail):
         return errors.StepBackupError(
@@ -203,7 +216,7 @@ class StepBackup(keras.callbacks.Callback):
 
     def _read_checked(self, mirrored):
         """(arrays, variables) of a backup that fits, or None if absent."""
-        if not os.path.exists(self.path):
+        if not os.path.lexists(self.path):
             return None
         arrays = self._read()
         variables = self._variables(mirrored)
