@@ -11,6 +11,7 @@ from keras_mirror.distribute import _homes
 from keras_mirror.distribute import _multi_worker
 from keras_mirror.distribute import _worker_input
 from keras_mirror.distribute import devices as devices_lib
+from keras_mirror.steps import _batchnorm
 from keras_mirror.steps import _execution
 from keras_mirror.steps import dispatch
 from keras_mirror.steps import own_step
@@ -173,6 +174,7 @@ class MirroredModel(ReplicaAttributes, _user_model.UserModelState,
                            _homes.VariableHomes(original, strategy))
         self._batch_mode = batch
         self._batchnorm = batchnorm
+        _batchnorm.say_mode(original, batchnorm, len(self._devices))
         self._capacity = None
         self.on_nonfinite = on_nonfinite
         self._replica_stats = replica_stats

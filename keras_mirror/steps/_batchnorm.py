@@ -16,6 +16,7 @@ per row and stay local.
 """
 
 import contextlib
+import logging
 
 import keras
 import tensorflow as tf
@@ -110,3 +111,23 @@ def needs_forward_collectives(model, batchnorm):
         if layer.synchronized or batchnorm == "global":
             return True
     return False
+
+
+def say_mode(model, batchnorm, num_replicas):
+    """Says once, when wrapping, how the model's BatchNorm layers normalise.
+    """
+    plain = [layer.name for layer in batchnorm_layers(model)
+             if not layer.synchronized]
+    if not plain or num_replicas < 2:
+        return
+    if batchnorm == "global":
+        what = ("by the global batch's statistics, as one device does (an "
+                "all-reduce per layer in the forward pass); "
+                "`batchnorm='per_replica'` keeps each shard's own")
+    else:
+        what = ("by each replica's shard statistics (`batchnorm="
+                "'per_replica'`): not one device's training")
+    level = logging.INFO if batchnorm == "global" else logging.WARNING
+    logging.getLogger("keras_mirror").log(
+        level, "keras-mirror normalises the BatchNormalization layers %s %s.",
+        plain, what)

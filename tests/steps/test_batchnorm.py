@@ -111,3 +111,27 @@ def test_needs_forward_collectives():
     assert not _batchnorm.needs_forward_collectives(plain, "per_replica")
     assert _batchnorm.needs_forward_collectives(synced, "per_replica")
     assert not _batchnorm.needs_forward_collectives(dense, "global")
+
+
+def test_the_mode_is_said_once_when_wrapping(cpus, caplog):
+    import logging
+
+    def bn_model():
+        return keras.Sequential([keras.Input((4,)),
+                                 keras.layers.BatchNormalization(name="bn"),
+                                 keras.layers.Dense(1)])
+
+    with caplog.at_level(logging.INFO, logger="keras_mirror"):
+        keras_mirror.MirroredModel(bn_model(), devices=cpus)
+        keras_mirror.MirroredModel(bn_model(), devices=cpus,
+                                   batchnorm="per_replica")
+    said = [(r.levelno, r.getMessage()) for r in caplog.records
+            if "BatchNormalization layers" in r.getMessage()]
+    assert said == [
+        (logging.INFO, "keras-mirror normalises the BatchNormalization "
+         "layers ['bn'] by the global batch's statistics, as one device "
+         "does (an all-reduce per layer in the forward pass); "
+         "`batchnorm='per_replica'` keeps each shard's own."),
+        (logging.WARNING, "keras-mirror normalises the BatchNormalization "
+         "layers ['bn'] by each replica's shard statistics "
+         "(`batchnorm='per_replica'`): not one device's training.")]
