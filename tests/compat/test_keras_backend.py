@@ -72,19 +72,22 @@ def test_rekey_optimizer_follows_a_new_backing(cpus):
     assert int(opt.iterations) == 1
 
 
-def test_moments_module_calls_the_synchronized_moments_by_name():
+@pytest.mark.parametrize("name,kwargs", [
+    ("SYNC_MOMENTS", {"synchronized": True}), ("LOCAL_MOMENTS", {})])
+def test_moments_module_calls_the_moments_by_name(name, kwargs):
     import tensorflow as tf
 
     module = _compat.moments_module()
     calls = []
-    original = getattr(module, _compat.SYNC_MOMENTS)
+    attribute = getattr(_compat, name)
+    original = getattr(module, attribute)
 
     def spy(x, axes, keepdims):
         calls.append(axes)
         return original(x, axes, keepdims)
 
-    with _compat.replaced(module, {_compat.SYNC_MOMENTS: spy}):
-        mean, _ = module.moments(tf.ones((3, 2)), [0], synchronized=True)
+    with _compat.replaced(module, {attribute: spy}):
+        mean, _ = module.moments(tf.ones((3, 2)), [0], **kwargs)
     assert calls == [[0]]
     assert mean.numpy().tolist() == [1.0, 1.0]
 
@@ -101,20 +104,3 @@ def test_new_backing_keeps_the_tf_trainable_flag_of_the_current_backing():
     assert made.trainable is True
     assert kernel.trainable is False  # the Keras flag is left as it was
     assert _compat.backing(kernel) is not made
-
-
-def test_moments_module_calls_the_local_moments_by_name():
-    import tensorflow as tf
-
-    module = _compat.moments_module()
-    calls = []
-    original = getattr(module, _compat.LOCAL_MOMENTS)
-
-    def spy(x, axes, keepdims):
-        calls.append(axes)
-        return original(x, axes, keepdims)
-
-    with _compat.replaced(module, {_compat.LOCAL_MOMENTS: spy}):
-        mean, _ = module.moments(tf.ones((3, 2)), [0])
-    assert calls == [[0]]
-    assert mean.numpy().tolist() == [1.0, 1.0]
