@@ -92,7 +92,13 @@ class ReplicaCallbackList(keras.callbacks.CallbackList):
                 if stripped is None:
                     stripped = strip(logs)
                 cb_logs = stripped
-            getattr(callback, hook)(*args, logs=cb_logs)
+            # As Keras's `CallbackList` calls each hook: the batch hooks
+            # with `logs=`, the others positionally (a callback may name
+            # that parameter otherwise: `on_epoch_end(self, epoch, log)`).
+            if "_batch_" in hook:
+                getattr(callback, hook)(*args, logs=cb_logs)
+            else:
+                getattr(callback, hook)(*args, cb_logs)
 
     def on_train_begin(self, logs=None):
         self._first_step = True

@@ -189,3 +189,56 @@ def test_own_train_step_logs_only_the_global_values(cpus, execution):
     assert logs[False, "vectors"] == {}
     assert logs[False]["loss"] == pytest.approx(logs[True]["loss"],
                                                 rel=1e-6)
+
+
+class _OwnNames(keras.callbacks.Callback):
+    """The hooks Keras's `CallbackList` passes logs to positionally, with
+    that parameter named otherwise (the batch hooks get `logs=`)."""
+
+    def __init__(self):
+        super().__init__()
+        self.seen = []
+
+    def _note(self, name, log):
+        self.seen.append((name, sorted(log or {})))
+
+    def on_train_begin(self, log=None):
+        self._note("train_begin", log)
+
+    def on_epoch_end(self, epoch, log=None):
+        self._note("epoch_end", log)
+
+    def on_train_batch_end(self, batch, logs=None):
+        self._note("train_batch_end", logs)
+
+    def on_test_batch_end(self, batch, logs=None):
+        self._note("test_batch_end", logs)
+
+    def on_predict_batch_end(self, batch, logs=None):
+        self._note("predict_batch_end", logs)
+
+    def on_test_end(self, log=None):
+        self._note("test_end", log)
+
+    def on_train_end(self, log=None):
+        self._note("train_end", log)
+
+
+def test_hooks_get_logs_positionally_as_keras_passes_them(cpus):
+    x = np.linspace(-1, 1, 16, dtype="float32").reshape(8, 2)
+    y = x.sum(axis=1, keepdims=True)
+    seen = []
+    for wrap in (False, True):
+        keras.utils.set_random_seed(0)
+        model = keras.Sequential([keras.Input((2,)), keras.layers.Dense(1)])
+        model.compile(optimizer="sgd", loss="mse")
+        runner = keras_mirror.MirroredModel(model, devices=cpus) if wrap \
+            else model
+        callback = _OwnNames()
+        runner.fit(x, y, batch_size=4, epochs=1, verbose=0,
+                   callbacks=[callback])
+        runner.evaluate(x, y, batch_size=4, verbose=0, callbacks=[callback])
+        runner.predict(x, batch_size=4, verbose=0, callbacks=[callback])
+        seen.append(callback.seen)
+    assert seen[1] == seen[0]
+    assert ("epoch_end", ["loss"]) in seen[1]
