@@ -109,6 +109,23 @@ def test_split_plan_rules(cpus):
     assert per_replica.split_plan(5, replica_batch_size=4) == (4, 1, 0, 0)
 
 
+@pytest.mark.parametrize("value,message", [
+    (3, r"`replica_batch_size` is too small: 4 replica batches of 3 rows "
+        r"hold 12, fewer than the 13 rows of the global batch\. Received: "
+        r"replica_batch_size=3, batch_size=13"),
+    (-1, r"`replica_batch_size` must be a positive integer or None\. "
+         r"Received: replica_batch_size=-1"),
+    (0, r"Received: replica_batch_size=0"),
+    (4.0, r"Received: replica_batch_size=4\.0"),
+    ("4", r"Received: replica_batch_size='4'"),
+    (True, r"Received: replica_batch_size=True")])
+def test_split_plan_refuses_a_bad_replica_batch_size(cpus, value, message):
+    per_replica = keras_mirror.MirroredModel(mlp(), devices=cpus,
+                                             batch="per_replica")
+    with pytest.raises(ValueError, match=message):
+        per_replica.split_plan(13, replica_batch_size=value)
+
+
 def test_fit_numpy_with_sample_and_class_weight_equals_single_device(cpus):
     x, _, sw = data(50)
     labels = (np.abs(x[:, 0] * 3).astype("int64") % 3)

@@ -128,8 +128,21 @@ class ReplicaAttributes:
         n = self.num_replicas
         if self._batch_mode == "global":
             return split.balanced_sizes(batch_size, n)
-        capacity = replica_batch_size or -(-batch_size // n)
-        return split.fill_sizes(batch_size, n, capacity)
+        if replica_batch_size is None:
+            return split.fill_sizes(batch_size, n, -(-batch_size // n))
+        if isinstance(replica_batch_size, bool) or not isinstance(
+                replica_batch_size, int) or replica_batch_size < 1:
+            raise ValueError(
+                "`replica_batch_size` must be a positive integer or None. "
+                f"Received: replica_batch_size={replica_batch_size!r}")
+        if replica_batch_size * n < batch_size:
+            raise ValueError(
+                f"`replica_batch_size` is too small: {n} replica batches of "
+                f"{replica_batch_size} rows hold {replica_batch_size * n}, "
+                f"fewer than the {batch_size} rows of the global batch. "
+                f"Received: replica_batch_size={replica_batch_size!r}, "
+                f"batch_size={batch_size!r}")
+        return split.fill_sizes(batch_size, n, replica_batch_size)
 
     @property
     def execution_summary(self):
