@@ -282,6 +282,19 @@ def test_verify_refuses_its_own_arguments(cpus, execution):
         mirrored.verify(x, y, callbacks="tensorboard")
 
 
+def test_verify_refuses_a_step_backup_before_touching_it(cpus, tmp_path):
+    mirrored = _wrapped(_dense())
+    x, y = _data(8)
+    backup_dir = tmp_path / "backup"
+    with pytest.raises(ValueError, match=(
+            r"`verify` runs two scratch trainings and cannot take a "
+            r"`StepBackup`.*Remove it from `callbacks`\. Received: "
+            r"callbacks=\[")):
+        mirrored.verify(x, y, callbacks=[keras_mirror.StepBackup(
+            str(backup_dir))])
+    assert not backup_dir.exists()
+
+
 @pytest.mark.parametrize("execution", ["strategy"], indirect=True)
 def test_public_import_paths(execution):
     from keras_mirror import VerifyReport

@@ -350,3 +350,11 @@ def test_writes_only_local_replicas_and_chief_globals(tmp_path):
         ("train", "epoch_loss"): [(0, 0.5)],
         ("validation", "epoch_loss"): [(0, 0.25)],
     }
+
+
+@pytest.mark.parametrize("log_dir", [None, 123, ""])
+def test_log_dir_must_be_a_path(log_dir):
+    with pytest.raises(ValueError, match=(
+            r"`log_dir` must be a non-empty str or path-like\. "
+            rf"Received: log_dir={log_dir!r}")):
+        keras_mirror.ReplicaTensorBoard(log_dir=log_dir)
