@@ -796,7 +796,7 @@ CASES = {
     "verify_tolerance": Case(
         "tolerance", "-1 in `verify`",
         lambda cpus: _mirrored(cpus).verify(X, Y, tolerance=-1),
-        ValueError, r"`tolerance` must be a non-negative number\. "
+        ValueError, r"`tolerance` must be a finite non-negative number\. "
         r"Received: tolerance=-1"),
 }
 

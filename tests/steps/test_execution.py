@@ -94,25 +94,24 @@ def _fit(model, x, y, **kwargs):
     return model
 
 
-def test_batch_norm_state_is_replica_zeros(cpus):
-    """Moving statistics: each replica starts from the same state and the
-    state kept is replica 0's (TF's mirrored variables with aggregation
-    "none" keep the first replica's copy)."""
-    x, y, _ = data(14)  # batches of 7: no empty shard (see the note)
-    a = _fit(keras_mirror.MirroredModel(_bn_model(), devices=cpus), x, y)
-    assert all(np.isfinite(w).all() for w in a.model.get_weights())
-    # Replica 0's shard statistics, not a sequential blend of all shards:
-    # one step of momentum 0.5 from (0, 1) on replica 0's first 2 rows.
+def test_batch_norm_state_is_one_devices(cpus):
+    """Moving statistics: every replica normalises by the global batch's
+    statistics (`batchnorm="global"`), so the state kept after a step is
+    one device's, not replica 0's shard's."""
+    x, y, _ = data(14)
     first = _bn_model()
-    plan = a.split_plan(7)
-    assert plan == (2, 2, 2, 1)
     step = keras_mirror.MirroredModel(_bn_model(), devices=cpus)
+    assert step.split_plan(7) == (2, 2, 2, 1)
     step.compile(optimizer=keras.optimizers.SGD(0.0), loss="mse")
     step.train_on_batch(x[:7], y[:7])
-    hidden = first.layers[0](x[:plan[0]]).numpy()
+    hidden = first.layers[0](x[:7]).numpy()
     bn = step.model.layers[1]
+    # One step of momentum 0.5 from (0, 1) on the global batch's 7 rows.
     np.testing.assert_allclose(bn.moving_mean.numpy(),
                                0.5 * hidden.mean(axis=0), rtol=1e-5,
+                               atol=1e-6)
+    np.testing.assert_allclose(bn.moving_variance.numpy(),
+                               0.5 + 0.5 * hidden.var(axis=0), rtol=1e-4,
                                atol=1e-6)
 
 
