@@ -8,8 +8,8 @@ benchmark measures the same ratio paired, in one process:
 - `single`: the model built and compiled under `tf.device(device)`, plain
   Keras `fit`;
 - `mirrored`: the same architecture and initial weights wrapped by
-  `keras_mirror.MirroredModel(model, devices=[device])` (the path `"auto"`
-  picks: the one `strategy` path), with every per-replica statistic on, as users get it;
+  `keras_mirror.MirroredModel(model, devices=[device])` (the one
+  `strategy` path), with every per-replica statistic on, as users get it;
 - `nostats`: the same with `replica_stats=False`: the wrapper without the
   statistics, which plain `fit` does not compute either.
 
