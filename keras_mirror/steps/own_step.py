@@ -48,6 +48,7 @@ from keras_mirror import split
 from keras_mirror.replica_context import ReplicaContext
 from keras_mirror.replica_context import activate
 from keras_mirror.replica_context import active
+from keras_mirror.steps import _batchnorm
 from keras_mirror.steps import _metric_weights
 from keras_mirror.steps import _scope
 from keras_mirror.steps import _stand_in
@@ -81,20 +82,19 @@ def setup(model):
     return True
 
 
-def warn_inexact(model, custom, devices):
+def warn_inexact(model, custom, devices, batchnorm="global"):
     """Warns, at wrap time, of what a model's own step cannot do exactly."""
-    from keras_mirror.wrapper import _rebuild
-
-    synchronized = _rebuild.synchronized_layers(model)
-    if custom and synchronized and len(devices) > 1:
+    layers = [layer.name for layer in _batchnorm.batchnorm_layers(model)
+              if layer.synchronized or batchnorm == "global"]
+    if custom and layers and len(devices) > 1:
         warnings.warn(
-            f"The model has its own `train_step` and synchronized "
-            f"BatchNormalization layers {synchronized}: with shards of "
-            "unequal size its gradients differ from one device's (each "
-            "replica's share weights its gradient after the cross-replica "
-            "statistics were differentiated). Use global batches that the "
-            f"{len(devices)} replicas divide evenly to train exactly.",
-            UserWarning, stacklevel=3)
+            f"The model has its own `train_step` and BatchNormalization "
+            f"layers {layers} normalised by the global batch's statistics: "
+            "with shards of unequal size its gradients differ from one "
+            "device's (each replica's share weights its gradient after the "
+            "cross-replica statistics were differentiated). Use global "
+            f"batches that the {len(devices)} replicas divide evenly to "
+            "train exactly.", UserWarning, stacklevel=3)
 
 
 def weighted_allreduce(original):

@@ -247,12 +247,17 @@ def test_a_model_trained_before_wrapping_keeps_its_optimizer_state(
     _assert_same(single, model)
 
 
-def test_own_step_with_synchronized_batchnorm_warns_at_wrap_time(cpus):
+@pytest.mark.parametrize("synchronized", [True, False])
+def test_own_step_with_global_batchnorm_warns_at_wrap_time(cpus,
+                                                           synchronized):
     model, _, _ = guide_models.gan()
     model.discriminator = keras.Sequential([
-        keras.Input((6,)), keras.layers.BatchNormalization(synchronized=True),
+        keras.Input((6,)), keras.layers.BatchNormalization(
+            synchronized=synchronized, name="critic_bn"),
         keras.layers.Dense(1)])
-    with pytest.warns(UserWarning, match="synchronized BatchNormalization"):
+    with pytest.warns(UserWarning, match=(
+            r"own `train_step` and BatchNormalization layers \['critic_bn'\] "
+            r"normalised by the global batch's statistics")):
         keras_mirror.MirroredModel(model)
 
 
