@@ -30,10 +30,12 @@ without a seed generator), which draw per replica.
 
 import contextlib
 
+import keras
 import tensorflow as tf
 
 from keras_mirror import _compat
 from keras_mirror.replica_context import active
+from keras_mirror.steps import _philox
 
 
 class _Drawn:
@@ -79,8 +81,14 @@ def _static(shape):
                            for d in shape])
 
 
-def _rows(draw, shape, ctx):
-    """`draw(shape)`, with the global batch's rows when shaped like a shard."""
+def _rows(draw, shape, ctx, rows_at=None):
+    """`draw(shape)`, with the global batch's rows when shaped like a shard.
+
+    `rows_at(offset, count, rest)`, when given, draws rows `[offset, offset
+    + count)` of the global draw alone (counter-offset Philox, `_philox`):
+    each replica then generates its own rows only. Without it the draw is
+    made for the global batch and the replica's rows are gathered.
+    """
     split = _split_shape(shape)
     if split is None:
         return draw(shape)
@@ -98,12 +106,82 @@ def _rows(draw, shape, ctx):
                            + tf.range(b)[None, :], [-1])
         return tf.gather(full, index)
 
+    def own_rows():
+        def block(j):
+            return rows_at(j * big_b + offset, b, rest)
+
+        def stacked():
+            parts = tf.map_fn(block, tf.range(blocks),
+                              fn_output_signature=tf.TensorSpec(
+                                  None, first.dtype))
+            return tf.reshape(parts, tf.concat([[blocks * b], rest], 0))
+
+        first = block(0)
+        return tf.cond(tf.equal(blocks, 1), lambda: first, stacked)
+
     def as_asked():
         return draw(tf.concat([[lead], rest], 0))
 
-    out = tf.cond(exact, global_rows, as_asked)
+    out = tf.cond(exact, own_rows if rows_at else global_rows, as_asked)
     out.set_shape(_static(shape))
     return out
+
+
+def _rows_at(name, module, seed, args, kwargs):
+    """`rows_at` for `name`'s draw, as the TF backend makes it, or None.
+
+    Bit for bit `tf.random.stateless_{normal,uniform,truncated_normal}`'s
+    arithmetic on the raw draw (`rnd * scale + shift`). Gamma, binomial and
+    beta have none: their samplers loop a varying number of times per
+    element (gamma's rejection sampling; binomial and beta build on it).
+    """
+    if name not in _STANDARD:
+        return None
+    bound = _STANDARD[name](*args, **kwargs)
+    dtype = tf.as_dtype(bound.get("dtype") or keras.config.floatx())
+    seed = module._cast_seed(seed)
+    if name == "randint":
+        wide = dtype if dtype in (tf.int32, tf.int64) else tf.int64
+        low = tf.cast(bound["minval"], wide)
+        high = tf.cast(bound["maxval"], wide)
+
+        def ints(offset, count, rest):
+            out = _philox.rows("int", seed, offset, count, rest, wide, low,
+                               high)
+            return tf.cast(out, dtype)
+
+        return ints
+    if name == "uniform":
+        low = tf.cast(bound.get("minval", 0.0), dtype)
+        high = tf.cast(bound.get("maxval", 1.0), dtype)
+        scale, shift = high - low, low
+    else:
+        scale = tf.convert_to_tensor(bound.get("stddev", 1.0), dtype)
+        shift = tf.convert_to_tensor(bound.get("mean", 0.0), dtype)
+
+    def floats(offset, count, rest):
+        rnd = _philox.rows(name, seed, offset, count, rest, dtype)
+        return tf.add(rnd * scale, shift)
+
+    return floats
+
+
+def _bind(*names):
+    def bind(*args, **kwargs):
+        bound = dict(zip(names, args))
+        bound.update(kwargs)
+        return bound
+
+    return bind
+
+
+# The TF backend's signatures after `shape` (and `seed=`, taken apart).
+_STANDARD = {
+    "normal": _bind("mean", "stddev", "dtype"),
+    "truncated_normal": _bind("mean", "stddev", "dtype"),
+    "uniform": _bind("minval", "maxval", "dtype"),
+    "randint": _bind("minval", "maxval", "dtype"),
+}
 
 
 def _refuse_unseeded(seed, ctx, name):
@@ -145,8 +223,9 @@ def _replacements(module):
                 return original(shape, *args, seed=seed, **kwargs)
             _refuse_unseeded(seed, ctx, name)
             drawn = _Drawn(originals["draw_seed"](seed))
+            rows_at = _rows_at(name, module, drawn.value, args, kwargs)
             return _rows(lambda s: original(s, *args, seed=drawn, **kwargs),
-                         shape, ctx)
+                         shape, ctx, rows_at)
 
         fn.__name__ = name
         return fn
@@ -171,8 +250,12 @@ def _replacements(module):
             shape = [(d if d is not None else
                       dims[i] if dims and dims[i] is not None else
                       tf.shape(inputs)[i]) for i, d in enumerate(given)]
-        uniform = _rows(lambda s: tf.random.stateless_uniform(
-            s, seed=seed, dtype=inputs.dtype), shape, ctx)
+        uniform = _rows(
+            lambda s: tf.random.stateless_uniform(s, seed=seed,
+                                                  dtype=inputs.dtype),
+            shape, ctx,
+            lambda o, b, rest: _philox.rows("uniform", seed, o, b, rest,
+                                            inputs.dtype))
         scale = tf.convert_to_tensor(1 / (1 - rate), dtype=inputs.dtype)
         return tf.where(uniform >= rate, inputs * scale,
                         tf.zeros((), inputs.dtype))
