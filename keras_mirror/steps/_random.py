@@ -111,10 +111,12 @@ def _rows(draw, shape, ctx, rows_at=None):
             return rows_at(j * big_b + offset, b, rest)
 
         def stacked():
-            parts = tf.map_fn(block, tf.range(blocks),
+            parts = tf.map_fn(block, tf.range(1, blocks),
                               fn_output_signature=tf.TensorSpec(
                                   None, first.dtype))
-            return tf.reshape(parts, tf.concat([[blocks * b], rest], 0))
+            parts = tf.reshape(parts, tf.concat([[(blocks - 1) * b], rest],
+                                                0))
+            return tf.concat([first, parts], 0)
 
         first = block(0)
         return tf.cond(tf.equal(blocks, 1), lambda: first, stacked)

@@ -11,6 +11,7 @@ replicas' rows come back in replica order.
 import keras
 import numpy as np
 import pytest
+import tensorflow as tf
 from keras import layers
 from keras import ops
 
@@ -229,3 +230,83 @@ def test_a_stateful_tf_draw_is_warned_about_once(cpus):
         warnings.simplefilter("error")  # a SeedGenerator model: no warning
         keras_mirror.MirroredModel(_noisy(11), execution="strategy").fit(
             x, y, batch_size=8, epochs=1, verbose=0)
+
+
+class StepDraws(keras.Model):
+    """An own `train_step` drawing a shard's rows in every way Keras can."""
+
+    def __init__(self):
+        super().__init__()
+        self.seed_generator = keras.random.SeedGenerator(4)
+        self.dense = layers.Dense(1)
+        self.dropout = layers.Dropout(0.5, seed=2)
+
+    def call(self, x, training=False):
+        return self.dense(self.dropout(x, training=training))
+
+    def train_step(self, data):
+        x, y = data
+        b = ops.shape(x)[0]
+        seed = self.seed_generator
+        labels = ops.concatenate([ops.ones((b, 1)), ops.zeros((b, 1))])
+        labels = labels + 0.05 * keras.random.uniform((2 * b, 1), seed=seed)
+        noise = keras.random.truncated_normal(ops.shape(x), seed=seed)
+        picks = keras.random.randint((b, 1), 0, 3, seed=seed)
+        x = x + 0.1 * noise * ops.cast(picks, "float32")
+        with tf.GradientTape() as tape:
+            pred = self(x, training=True)
+            loss = ops.mean((pred - y) ** 2) + 0.01 * ops.mean(
+                (ops.concatenate([pred, pred]) - labels) ** 2)
+        grads = tape.gradient(loss, self.trainable_variables)
+        self.optimizer.apply(grads, self.trainable_variables)
+        return {"loss": loss}
+
+
+def test_every_draw_in_the_step_makes_its_replicas_rows_only(cpus):
+    """Read from the step as TF ran it: each random op of each replica
+    outputs its shard's 10 rows (of a 40-row global batch), never the 40
+    rows of the global batch (the old gather drew 4x these)."""
+    from tests.support.random_ops import random_draw_sizes
+
+    rng = np.random.default_rng(3)
+    x = rng.normal(size=(40, 6)).astype("float32")
+    y = rng.normal(size=(40, 1)).astype("float32")
+    model = StepDraws()
+    model(x[:1])
+    model.compile("sgd")
+    mirrored = keras_mirror.MirroredModel(model, execution="strategy")
+    sizes = random_draw_sizes(lambda: mirrored.fit(
+        x, y, batch_size=40, epochs=1, shuffle=False, verbose=0))
+    # Per replica: dropout 10x6, uniform 2 blocks of 10x1, truncated 10x6,
+    # randint 10x1 (each flat draw may start up to 3 elements early).
+    assert sorted({kind for kind, _ in sizes}) == [
+        "StatelessRandomUniformIntV2", "StatelessRandomUniformV2",
+        "StatelessTruncatedNormalV2"]
+    assert len(sizes) == 4 * 5
+    assert all(size <= 10 * 6 + 3 for _, size in sizes), sizes
+    assert max(size for _, size in sizes) >= 10 * 6
+
+
+def test_a_gan_like_step_trains_as_on_one_device(cpus):
+    """Seeded uniform (2 stacked blocks), truncated normal, randint and
+    Dropout in an own step, 4 replicas, batches 7, 7, 7, 1 (empty
+    shards): one device's weights and seed states."""
+    rng = np.random.default_rng(4)
+    x = rng.normal(size=(22, 6)).astype("float32")
+    y = rng.normal(size=(22, 1)).astype("float32")
+
+    def build():
+        keras.utils.set_random_seed(1)
+        model = StepDraws()
+        model(x[:1])
+        model.compile("sgd")
+        return model
+
+    single = build()
+    single.fit(x, y, batch_size=7, epochs=2, shuffle=False, verbose=0)
+    model = build()
+    keras_mirror.MirroredModel(model, execution="strategy").fit(
+        x, y, batch_size=7, epochs=2, shuffle=False, verbose=0)
+    for a, b in zip(single.variables, model.variables):
+        np.testing.assert_allclose(b.numpy(), a.numpy(), atol=1e-5,
+                                   err_msg=a.path)
