@@ -186,34 +186,21 @@ _STANDARD = {
 }
 
 
-def _refuse_unseeded(seed, ctx, name):
-    """An unseeded draw (`seed=None`) in a replica step is refused.
-
-    It draws from Keras's global seed generator, which is no variable of
-    the model: each replica would advance it and draw with its own seed (on
-    the `"in_graph"` path the weights drifted 0.06 from one device's in two
-    epochs; on the `"strategy"` path TensorFlow failed with "Mixing
-    different tf.distribute.Strategy objects").
-    """
-    if seed is None:
-        raise ValueError(
-            f"`keras.random.{name}` without a `seed` inside the step draws "
-            "from Keras's global seed generator, which keras-mirror cannot "
-            f"share between the {ctx.num_replicas} replicas: each would "
-            "draw its own numbers. Pass `seed=` a "
-            "`keras.random.SeedGenerator` kept on the layer or model "
-            "(`self.seed_generator = keras.random.SeedGenerator(1337)`; "
-            "exact: one device's numbers, each replica's rows) or an int. "
-            f"Received: seed=None in a `keras.random.{name}` call")
-
-
 def _replacements(module):
     originals = {name: getattr(module, name)
                  for name in _compat.RANDOM_FUNCTIONS + ("draw_seed",)}
 
+    # Keras's global state is per thread, and tf.distribute traces each
+    # replica in a thread of its own: there Keras would make a new global
+    # generator per replica. Unseeded draws take this thread's instead,
+    # whose state the wrapper mirrors (`made_global_seed_generator`).
+    shared = _compat.global_seed_generator()
+
     def draw_seed(seed):
         if isinstance(seed, _Drawn):
             return seed.value
+        if seed is None and shared is not None:
+            return shared.next(ordered=False)   # as Keras's `draw_seed`
         return originals["draw_seed"](seed)
 
     def shaped(name):
@@ -223,8 +210,7 @@ def _replacements(module):
             ctx = _context()
             if ctx is None:
                 return original(shape, *args, seed=seed, **kwargs)
-            _refuse_unseeded(seed, ctx, name)
-            drawn = _Drawn(originals["draw_seed"](seed))
+            drawn = _Drawn(draw_seed(seed))
             rows_at = _rows_at(name, module, drawn.value, args, kwargs)
             return _rows(lambda s: original(s, *args, seed=drawn, **kwargs),
                          shape, ctx, rows_at)
@@ -239,9 +225,8 @@ def _replacements(module):
                                         seed=seed)
         # `tf.nn.experimental.stateless_dropout`'s own arithmetic, with the
         # uniform draw made for the global batch.
-        _refuse_unseeded(seed, ctx, "dropout")
         inputs = tf.convert_to_tensor(inputs)
-        seed = module._cast_seed(originals["draw_seed"](seed))
+        seed = module._cast_seed(draw_seed(seed))
         dims = (inputs.shape.as_list() if inputs.shape.rank is not None
                 else None)
         if noise_shape is None and dims is None:
@@ -270,8 +255,7 @@ def _replacements(module):
         # Each row's samples depend on the seed, its row index and its own
         # logits only: the shard's logits, placed at its rows of a global
         # batch of logits, sample one device's numbers.
-        _refuse_unseeded(seed, ctx, "categorical")
-        drawn = _Drawn(originals["draw_seed"](seed))
+        drawn = _Drawn(draw_seed(seed))
         logits = tf.convert_to_tensor(logits)
         b = tf.cast(ctx.shard_size, tf.int32)
         big_b = tf.cast(ctx.global_batch_size, tf.int32)
@@ -294,10 +278,9 @@ def _replacements(module):
         ctx = _context()
         if ctx is None:
             return originals["shuffle"](x, axis=axis, seed=seed)
-        _refuse_unseeded(seed, ctx, "shuffle")
         # Not one device's permutation (that one crosses the shards), but a
         # different one on every replica.
-        seed = originals["draw_seed"](seed)
+        seed = draw_seed(seed)
         seed = seed + tf.cast(tf.stack([0, ctx.replica_id]), seed.dtype)
         return originals["shuffle"](x, axis=axis, seed=_Drawn(seed))
 

@@ -144,26 +144,54 @@ def _xy():
             rng.normal(size=(22, 1)).astype("float32"))
 
 
-@pytest.mark.parametrize("execution", ["strategy"])
-def test_an_unseeded_draw_is_refused_before_any_update(execution, cpus):
-    """`keras.random.normal(shape)` draws from Keras's global seed
-    generator: on the old in-graph path it drifted 0.06 from one device,
-    silently; on `"strategy"` TensorFlow failed with "Mixing different
-    tf.distribute.Strategy objects". Refused at the first step, weights
-    untouched."""
-    x, y = _xy()
-    model = _noisy(None)
-    before = model.get_weights()
-    mirrored = keras_mirror.MirroredModel(model, execution=execution)
-    with pytest.raises(ValueError, match=(
-            r"`keras.random.normal` without a `seed` inside the step draws "
-            r"from Keras's global seed generator, which keras-mirror cannot "
-            r"share between the 4 replicas: each would draw its own "
-            r"numbers\. Pass `seed=` a `keras.random.SeedGenerator` .*"
-            r"Received: seed=None in a `keras.random.normal` call")):
-        mirrored.fit(x, y, batch_size=8, epochs=1, verbose=0)
-    for a, b in zip(before, model.get_weights()):
-        np.testing.assert_array_equal(a, b)
+class Diffusion(keras.Model):
+    """keras.io's DDIM `train_step`, shrunk: unseeded `keras.random`."""
+
+    def __init__(self):
+        super().__init__()
+        self.net = keras.Sequential([layers.Dense(8, activation="relu"),
+                                     layers.Dense(4)])
+
+    def call(self, x):
+        return self.net(x)
+
+    def train_step(self, data):
+        images = data
+        b = ops.shape(images)[0]
+        noises = keras.random.normal(shape=(b, 4))
+        times = keras.random.uniform(shape=(b, 1), minval=0.0, maxval=1.0)
+        noisy = ops.sqrt(1.0 - times) * images + ops.sqrt(times) * noises
+        with tf.GradientTape() as tape:
+            loss = ops.mean(ops.abs(self(noisy) - noises))
+        grads = tape.gradient(loss, self.trainable_weights)
+        self.optimizer.apply(grads, self.trainable_weights)
+        return {"loss": loss}
+
+
+def test_unseeded_draws_train_as_on_one_device(cpus):
+    """No `seed`: Keras's global seed generator, shared by the replicas.
+    10 rows, batch 7 (shards 2, 2, 2, 1 then 1, 1, 1, 0): one device's
+    weights and generator state after 3 epochs; refused before."""
+    from keras_mirror import _compat
+
+    x = np.random.default_rng(6).normal(size=(10, 4)).astype("float32")
+
+    def run(wrap):
+        keras.utils.set_random_seed(9)   # resets the global generator
+        model = Diffusion()
+        model(x[:1])
+        model.compile(keras.optimizers.Adam(0.01))
+        target = keras_mirror.MirroredModel(model, execution="strategy") \
+            if wrap else model
+        target.fit(x, batch_size=7, epochs=3, shuffle=False, verbose=0)
+        return model, _compat.global_seed_generator().state.numpy()
+
+    single, state1 = run(False)
+    model, state2 = run(True)
+    for a, b in zip(single.get_weights(), model.get_weights()):
+        np.testing.assert_allclose(b, a, atol=1e-5)
+    np.testing.assert_array_equal(state2, state1)
+    assert abs(float(np.sum(single.get_weights()[0]))) > 0
 
 
 @pytest.mark.parametrize("execution", ["strategy"])
