@@ -6,23 +6,33 @@ device. What differs is the shape: a draw shaped like the replica's shard
 (`keras.random.normal((batch, latent))`, a Dropout mask, GaussianNoise) asks
 for `b_r` rows where one device asked for `B`. While a replica step is
 traced, keras-mirror replaces the TF backend's shape-taking random functions
-(`_compat.RANDOM_FUNCTIONS`) so that such a draw is made for the global
-batch, with the same seed, and this replica keeps its own rows:
+(`_compat.RANDOM_FUNCTIONS`) so that such a draw returns this replica's rows
+of the draw one device makes for the global batch, with the same seed:
 
 - a leading dimension that is a tensor equal to `k * b_r` (k >= 1) is read
   as `k` stacked blocks of the batch (a GAN's `concatenate([ones(b),
-  zeros(b)])` labels are `2 b_r` rows): the draw is made for `k * B` rows and
-  the replica keeps rows `j * B + o_r ... j * B + o_r + b_r` of each block
-  `j`, where `o_r` is its first row in the global batch;
+  zeros(b)])` labels are `2 b_r` rows): the replica gets rows `j * B + o_r
+  ... j * B + o_r + b_r` of each block `j`, where `o_r` is its first row in
+  the global batch;
 - any other shape (static, or a leading dimension that is no multiple of the
   shard) is drawn as asked: a draw that does not depend on the batch is the
   same on every replica, as on one device.
 
+Uniform, normal, truncated normal, randint and Dropout draw only the
+replica's rows, by starting TF's counter-based Philox generator at the
+rows' first counter (`_philox`): 1/N of the random numbers of the global
+batch per replica. Gamma, binomial and beta have no such offset (their
+samplers loop a data-dependent number of times per element): those are
+drawn for the global batch and the replica's rows gathered, exact but N
+times the work. `keras.random.categorical` of a shard's logits places them
+at their rows of a global batch of logits (each row's samples depend on
+the seed, the row's index and its own logits only).
+
 Each draw advances the seed generator once, as on one device, so the
-generator's state after a step is one device's too. `keras.random.categorical`
-of a shard's logits is exact too: each row's samples depend on the seed, the
-row's index and its logits only, so the shard's logits are placed at their
-rows of a global batch. Not exact (see README, "What is not exact"):
+generator's state after a step is one device's too. A draw without a
+`seed` uses Keras's global seed generator, which the wrapper mirrors with
+the model's variables (`_homes`): every replica reads and advances one
+state, as one device does. Not exact (see README, "What is not exact"):
 `keras.random.shuffle` of a shard (one device's permutation crosses the
 shards; each replica gets its own), and stateful TF ops (`tf.random.normal`
 without a seed generator), which draw per replica.
