@@ -259,26 +259,7 @@ class _Gather(keras.layers.Layer):
         return keras_mirror.replica_context().all_gather(x)
 
 
-class _UnseededNoise(keras.layers.Layer):
-    def call(self, x, training=False):
-        if not training:
-            return x
-        return x + keras.random.normal(keras.ops.shape(x))
-
-
-def _unseeded_draw(cpus):
-    model = keras.Sequential([keras.Input((3,)), _UnseededNoise(),
-                              keras.layers.Dense(1)])
-    _fit(cpus, X, Y, batch_size=8, mirrored_kwargs=dict(model=model))
-
-
 CASES = {
-    "random_draw_without_seed": Case(
-        "seed", "None: `keras.random.normal(shape)` in a layer's call",
-        _unseeded_draw, ValueError,
-        r"`keras.random.normal` without a `seed` inside the step draws "
-        r"from Keras's global seed generator.*Received: seed=None in a "
-        r"`keras.random.normal` call"),
     "keras_backend": Case(
         "KERAS_BACKEND", "'jax'", _on_backend("jax"), ValueError,
         r"keras-mirror needs Keras's TensorFlow backend .*Received: "

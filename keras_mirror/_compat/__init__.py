@@ -56,6 +56,9 @@ from keras_mirror._compat.keras_backend import get_mask as get_mask
 from keras_mirror._compat.keras_backend import (
     global_seed_generator as global_seed_generator,
 )
+from keras_mirror._compat.keras_backend import (
+    made_global_seed_generator as made_global_seed_generator,
+)
 from keras_mirror._compat.keras_backend import moments_module as moments_module
 from keras_mirror._compat.keras_backend import new_backing as new_backing
 from keras_mirror._compat.keras_backend import random_module as random_module

@@ -150,3 +150,34 @@ def global_seed_generator():
     _require(module, ("get_global_attribute",), _GLOBAL_STATE_MODULE,
              "restore the global seed generator after `verify`")
     return module.get_global_attribute(_GLOBAL_SEED_GENERATOR)
+
+
+# Keras makes its global generator on the first unseeded draw
+# (`keras.src.random.seed_generator.global_seed_generator`). keras-mirror
+# makes it before a wrapper call instead, so that its state variable can be
+# mirrored with the model's: an unseeded draw in a replica step then reads
+# and advances one state shared by every replica, as one device does.
+_SEED_GENERATOR_MODULE = "keras.src.random.seed_generator"
+_MAKE_GLOBAL_SEED_GENERATOR = "global_seed_generator"
+
+
+def made_global_seed_generator():
+    """Keras's global `SeedGenerator`, made now (as Keras would) if none.
+
+    Python's `random` state is kept: the generator's seed is the one
+    Keras's next unseeded draw would have made it with, and the user's
+    stream of Python random numbers is unchanged.
+    """
+    import importlib
+    import random
+
+    module = importlib.import_module(_SEED_GENERATOR_MODULE)
+    _require(module, (_MAKE_GLOBAL_SEED_GENERATOR,), _SEED_GENERATOR_MODULE,
+             "share Keras's global seed generator between the replicas")
+    if global_seed_generator() is not None:
+        return global_seed_generator()
+    state = random.getstate()
+    try:
+        return getattr(module, _MAKE_GLOBAL_SEED_GENERATOR)()
+    finally:
+        random.setstate(state)

@@ -80,9 +80,12 @@ class VariableHomes:
         self._depth = 0
 
     def variables(self):
-        """Every variable that moves: the model's and its optimizers'."""
+        """Every variable that moves: the model's, its optimizers' and the
+        state of Keras's global seed generator (unseeded `keras.random`
+        draws), which every replica then reads and advances as one."""
         return unique(list(self._model.variables) + [
-            v for opt in optimizers_of(self._model) for v in opt.variables])
+            v for opt in optimizers_of(self._model) for v in opt.variables]
+            + [_compat.made_global_seed_generator().state])
 
     def _enter(self):
         for v in self.variables():

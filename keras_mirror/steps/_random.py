@@ -6,23 +6,33 @@ device. What differs is the shape: a draw shaped like the replica's shard
 (`keras.random.normal((batch, latent))`, a Dropout mask, GaussianNoise) asks
 for `b_r` rows where one device asked for `B`. While a replica step is
 traced, keras-mirror replaces the TF backend's shape-taking random functions
-(`_compat.RANDOM_FUNCTIONS`) so that such a draw is made for the global
-batch, with the same seed, and this replica keeps its own rows:
+(`_compat.RANDOM_FUNCTIONS`) so that such a draw returns this replica's rows
+of the draw one device makes for the global batch, with the same seed:
 
 - a leading dimension that is a tensor equal to `k * b_r` (k >= 1) is read
   as `k` stacked blocks of the batch (a GAN's `concatenate([ones(b),
-  zeros(b)])` labels are `2 b_r` rows): the draw is made for `k * B` rows and
-  the replica keeps rows `j * B + o_r ... j * B + o_r + b_r` of each block
-  `j`, where `o_r` is its first row in the global batch;
+  zeros(b)])` labels are `2 b_r` rows): the replica gets rows `j * B + o_r
+  ... j * B + o_r + b_r` of each block `j`, where `o_r` is its first row in
+  the global batch;
 - any other shape (static, or a leading dimension that is no multiple of the
   shard) is drawn as asked: a draw that does not depend on the batch is the
   same on every replica, as on one device.
 
+Uniform, normal, truncated normal, randint and Dropout draw only the
+replica's rows, by starting TF's counter-based Philox generator at the
+rows' first counter (`_philox`): 1/N of the random numbers of the global
+batch per replica. Gamma, binomial and beta have no such offset (their
+samplers loop a data-dependent number of times per element): those are
+drawn for the global batch and the replica's rows gathered, exact but N
+times the work. `keras.random.categorical` of a shard's logits places them
+at their rows of a global batch of logits (each row's samples depend on
+the seed, the row's index and its own logits only).
+
 Each draw advances the seed generator once, as on one device, so the
-generator's state after a step is one device's too. `keras.random.categorical`
-of a shard's logits is exact too: each row's samples depend on the seed, the
-row's index and its logits only, so the shard's logits are placed at their
-rows of a global batch. Not exact (see README, "What is not exact"):
+generator's state after a step is one device's too. A draw without a
+`seed` uses Keras's global seed generator, which the wrapper mirrors with
+the model's variables (`_homes`): every replica reads and advances one
+state, as one device does. Not exact (see README, "What is not exact"):
 `keras.random.shuffle` of a shard (one device's permutation crosses the
 shards; each replica gets its own), and stateful TF ops (`tf.random.normal`
 without a seed generator), which draw per replica.
@@ -30,10 +40,12 @@ without a seed generator), which draw per replica.
 
 import contextlib
 
+import keras
 import tensorflow as tf
 
 from keras_mirror import _compat
 from keras_mirror.replica_context import active
+from keras_mirror.steps import _philox
 
 
 class _Drawn:
@@ -79,8 +91,14 @@ def _static(shape):
                            for d in shape])
 
 
-def _rows(draw, shape, ctx):
-    """`draw(shape)`, with the global batch's rows when shaped like a shard."""
+def _rows(draw, shape, ctx, rows_at=None):
+    """`draw(shape)`, with the global batch's rows when shaped like a shard.
+
+    `rows_at(offset, count, rest)`, when given, draws rows `[offset, offset
+    + count)` of the global draw alone (counter-offset Philox, `_philox`):
+    each replica then generates its own rows only. Without it the draw is
+    made for the global batch and the replica's rows are gathered.
+    """
     split = _split_shape(shape)
     if split is None:
         return draw(shape)
@@ -98,42 +116,101 @@ def _rows(draw, shape, ctx):
                            + tf.range(b)[None, :], [-1])
         return tf.gather(full, index)
 
+    def own_rows():
+        def block(j):
+            return rows_at(j * big_b + offset, b, rest)
+
+        def stacked():
+            parts = tf.map_fn(block, tf.range(1, blocks),
+                              fn_output_signature=tf.TensorSpec(
+                                  None, first.dtype))
+            parts = tf.reshape(parts, tf.concat([[(blocks - 1) * b], rest],
+                                                0))
+            return tf.concat([first, parts], 0)
+
+        first = block(0)
+        return tf.cond(tf.equal(blocks, 1), lambda: first, stacked)
+
     def as_asked():
         return draw(tf.concat([[lead], rest], 0))
 
-    out = tf.cond(exact, global_rows, as_asked)
+    out = tf.cond(exact, own_rows if rows_at else global_rows, as_asked)
     out.set_shape(_static(shape))
     return out
 
 
-def _refuse_unseeded(seed, ctx, name):
-    """An unseeded draw (`seed=None`) in a replica step is refused.
+def _rows_at(name, module, seed, args, kwargs):
+    """`rows_at` for `name`'s draw, as the TF backend makes it, or None.
 
-    It draws from Keras's global seed generator, which is no variable of
-    the model: each replica would advance it and draw with its own seed (on
-    the `"in_graph"` path the weights drifted 0.06 from one device's in two
-    epochs; on the `"strategy"` path TensorFlow failed with "Mixing
-    different tf.distribute.Strategy objects").
+    Bit for bit `tf.random.stateless_{normal,uniform,truncated_normal}`'s
+    arithmetic on the raw draw (`rnd * scale + shift`). Gamma, binomial and
+    beta have none: their samplers loop a varying number of times per
+    element (gamma's rejection sampling; binomial and beta build on it).
     """
-    if seed is None:
-        raise ValueError(
-            f"`keras.random.{name}` without a `seed` inside the step draws "
-            "from Keras's global seed generator, which keras-mirror cannot "
-            f"share between the {ctx.num_replicas} replicas: each would "
-            "draw its own numbers. Pass `seed=` a "
-            "`keras.random.SeedGenerator` kept on the layer or model "
-            "(`self.seed_generator = keras.random.SeedGenerator(1337)`; "
-            "exact: one device's numbers, each replica's rows) or an int. "
-            f"Received: seed=None in a `keras.random.{name}` call")
+    if name not in _STANDARD:
+        return None
+    bound = _STANDARD[name](*args, **kwargs)
+    dtype = tf.as_dtype(bound.get("dtype") or keras.config.floatx())
+    seed = module._cast_seed(seed)
+    if name == "randint":
+        wide = dtype if dtype in (tf.int32, tf.int64) else tf.int64
+        low = tf.cast(bound["minval"], wide)
+        high = tf.cast(bound["maxval"], wide)
+
+        def ints(offset, count, rest):
+            out = _philox.rows("int", seed, offset, count, rest, wide, low,
+                               high)
+            return tf.cast(out, dtype)
+
+        return ints
+    if name == "uniform":
+        low = tf.cast(bound.get("minval", 0.0), dtype)
+        high = tf.cast(bound.get("maxval", 1.0), dtype)
+        scale, shift = high - low, low
+    else:
+        scale = tf.convert_to_tensor(bound.get("stddev", 1.0), dtype)
+        shift = tf.convert_to_tensor(bound.get("mean", 0.0), dtype)
+
+    def floats(offset, count, rest):
+        rnd = _philox.rows(name, seed, offset, count, rest, dtype)
+        return tf.add(rnd * scale, shift)
+
+    return floats
+
+
+def _bind(*names):
+    def bind(*args, **kwargs):
+        bound = dict(zip(names, args))
+        bound.update(kwargs)
+        return bound
+
+    return bind
+
+
+# The TF backend's signatures after `shape` (and `seed=`, taken apart).
+_STANDARD = {
+    "normal": _bind("mean", "stddev", "dtype"),
+    "truncated_normal": _bind("mean", "stddev", "dtype"),
+    "uniform": _bind("minval", "maxval", "dtype"),
+    "randint": _bind("minval", "maxval", "dtype"),
+}
 
 
 def _replacements(module):
     originals = {name: getattr(module, name)
                  for name in _compat.RANDOM_FUNCTIONS + ("draw_seed",)}
 
+    # Keras's global state is per thread, and tf.distribute traces each
+    # replica in a thread of its own: there Keras would make a new global
+    # generator per replica. Unseeded draws take this thread's instead,
+    # whose state the wrapper mirrors (`made_global_seed_generator`).
+    shared = _compat.global_seed_generator()
+
     def draw_seed(seed):
         if isinstance(seed, _Drawn):
             return seed.value
+        if seed is None and shared is not None:
+            return shared.next(ordered=False)   # as Keras's `draw_seed`
         return originals["draw_seed"](seed)
 
     def shaped(name):
@@ -143,10 +220,10 @@ def _replacements(module):
             ctx = _context()
             if ctx is None:
                 return original(shape, *args, seed=seed, **kwargs)
-            _refuse_unseeded(seed, ctx, name)
-            drawn = _Drawn(originals["draw_seed"](seed))
+            drawn = _Drawn(draw_seed(seed))
+            rows_at = _rows_at(name, module, drawn.value, args, kwargs)
             return _rows(lambda s: original(s, *args, seed=drawn, **kwargs),
-                         shape, ctx)
+                         shape, ctx, rows_at)
 
         fn.__name__ = name
         return fn
@@ -158,9 +235,8 @@ def _replacements(module):
                                         seed=seed)
         # `tf.nn.experimental.stateless_dropout`'s own arithmetic, with the
         # uniform draw made for the global batch.
-        _refuse_unseeded(seed, ctx, "dropout")
         inputs = tf.convert_to_tensor(inputs)
-        seed = module._cast_seed(originals["draw_seed"](seed))
+        seed = module._cast_seed(draw_seed(seed))
         dims = (inputs.shape.as_list() if inputs.shape.rank is not None
                 else None)
         if noise_shape is None and dims is None:
@@ -171,8 +247,12 @@ def _replacements(module):
             shape = [(d if d is not None else
                       dims[i] if dims and dims[i] is not None else
                       tf.shape(inputs)[i]) for i, d in enumerate(given)]
-        uniform = _rows(lambda s: tf.random.stateless_uniform(
-            s, seed=seed, dtype=inputs.dtype), shape, ctx)
+        uniform = _rows(
+            lambda s: tf.random.stateless_uniform(s, seed=seed,
+                                                  dtype=inputs.dtype),
+            shape, ctx,
+            lambda o, b, rest: _philox.rows("uniform", seed, o, b, rest,
+                                            inputs.dtype))
         scale = tf.convert_to_tensor(1 / (1 - rate), dtype=inputs.dtype)
         return tf.where(uniform >= rate, inputs * scale,
                         tf.zeros((), inputs.dtype))
@@ -185,8 +265,7 @@ def _replacements(module):
         # Each row's samples depend on the seed, its row index and its own
         # logits only: the shard's logits, placed at its rows of a global
         # batch of logits, sample one device's numbers.
-        _refuse_unseeded(seed, ctx, "categorical")
-        drawn = _Drawn(originals["draw_seed"](seed))
+        drawn = _Drawn(draw_seed(seed))
         logits = tf.convert_to_tensor(logits)
         b = tf.cast(ctx.shard_size, tf.int32)
         big_b = tf.cast(ctx.global_batch_size, tf.int32)
@@ -209,10 +288,9 @@ def _replacements(module):
         ctx = _context()
         if ctx is None:
             return originals["shuffle"](x, axis=axis, seed=seed)
-        _refuse_unseeded(seed, ctx, "shuffle")
         # Not one device's permutation (that one crosses the shards), but a
         # different one on every replica.
-        seed = originals["draw_seed"](seed)
+        seed = draw_seed(seed)
         seed = seed + tf.cast(tf.stack([0, ctx.replica_id]), seed.dtype)
         return originals["shuffle"](x, axis=axis, seed=_Drawn(seed))
 

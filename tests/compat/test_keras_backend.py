@@ -104,3 +104,23 @@ def test_new_backing_keeps_the_tf_trainable_flag_of_the_current_backing():
     assert made.trainable is True
     assert kernel.trainable is False  # the Keras flag is left as it was
     assert _compat.backing(kernel) is not made
+
+
+def test_the_global_seed_generator_is_made_as_keras_would():
+    """Made once, found where Keras's unseeded draws look, with Python's
+    `random` state kept (its seed is the one Keras would have drawn)."""
+    import random
+
+    keras.utils.set_random_seed(3)
+    assert _compat.global_seed_generator() is None
+    before = random.getstate()
+    made = _compat.made_global_seed_generator()
+    assert random.getstate() == before
+    assert _compat.made_global_seed_generator() is made
+    assert _compat.global_seed_generator() is made
+    keras.utils.set_random_seed(3)
+    keras.random.normal((1,))  # Keras makes its own, from the same state
+    seed = made.state.numpy()   # and advances it once, unordered
+    np.testing.assert_array_equal(
+        _compat.global_seed_generator().state.numpy(),
+        (seed + 1) * 5387 % 933199)

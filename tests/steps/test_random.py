@@ -11,6 +11,7 @@ replicas' rows come back in replica order.
 import keras
 import numpy as np
 import pytest
+import tensorflow as tf
 from keras import layers
 from keras import ops
 
@@ -143,26 +144,54 @@ def _xy():
             rng.normal(size=(22, 1)).astype("float32"))
 
 
-@pytest.mark.parametrize("execution", ["strategy"])
-def test_an_unseeded_draw_is_refused_before_any_update(execution, cpus):
-    """`keras.random.normal(shape)` draws from Keras's global seed
-    generator: on the old in-graph path it drifted 0.06 from one device,
-    silently; on `"strategy"` TensorFlow failed with "Mixing different
-    tf.distribute.Strategy objects". Refused at the first step, weights
-    untouched."""
-    x, y = _xy()
-    model = _noisy(None)
-    before = model.get_weights()
-    mirrored = keras_mirror.MirroredModel(model, execution=execution)
-    with pytest.raises(ValueError, match=(
-            r"`keras.random.normal` without a `seed` inside the step draws "
-            r"from Keras's global seed generator, which keras-mirror cannot "
-            r"share between the 4 replicas: each would draw its own "
-            r"numbers\. Pass `seed=` a `keras.random.SeedGenerator` .*"
-            r"Received: seed=None in a `keras.random.normal` call")):
-        mirrored.fit(x, y, batch_size=8, epochs=1, verbose=0)
-    for a, b in zip(before, model.get_weights()):
-        np.testing.assert_array_equal(a, b)
+class Diffusion(keras.Model):
+    """keras.io's DDIM `train_step`, shrunk: unseeded `keras.random`."""
+
+    def __init__(self):
+        super().__init__()
+        self.net = keras.Sequential([layers.Dense(8, activation="relu"),
+                                     layers.Dense(4)])
+
+    def call(self, x):
+        return self.net(x)
+
+    def train_step(self, data):
+        images = data
+        b = ops.shape(images)[0]
+        noises = keras.random.normal(shape=(b, 4))
+        times = keras.random.uniform(shape=(b, 1), minval=0.0, maxval=1.0)
+        noisy = ops.sqrt(1.0 - times) * images + ops.sqrt(times) * noises
+        with tf.GradientTape() as tape:
+            loss = ops.mean(ops.abs(self(noisy) - noises))
+        grads = tape.gradient(loss, self.trainable_weights)
+        self.optimizer.apply(grads, self.trainable_weights)
+        return {"loss": loss}
+
+
+def test_unseeded_draws_train_as_on_one_device(cpus):
+    """No `seed`: Keras's global seed generator, shared by the replicas.
+    10 rows, batch 7 (shards 2, 2, 2, 1 then 1, 1, 1, 0): one device's
+    weights and generator state after 3 epochs; refused before."""
+    from keras_mirror import _compat
+
+    x = np.random.default_rng(6).normal(size=(10, 4)).astype("float32")
+
+    def run(wrap):
+        keras.utils.set_random_seed(9)   # resets the global generator
+        model = Diffusion()
+        model(x[:1])
+        model.compile(keras.optimizers.Adam(0.01))
+        target = keras_mirror.MirroredModel(model, execution="strategy") \
+            if wrap else model
+        target.fit(x, batch_size=7, epochs=3, shuffle=False, verbose=0)
+        return model, _compat.global_seed_generator().state.numpy()
+
+    single, state1 = run(False)
+    model, state2 = run(True)
+    for a, b in zip(single.get_weights(), model.get_weights()):
+        np.testing.assert_allclose(b, a, atol=1e-5)
+    np.testing.assert_array_equal(state2, state1)
+    assert abs(float(np.sum(single.get_weights()[0]))) > 0
 
 
 @pytest.mark.parametrize("execution", ["strategy"])
@@ -229,3 +258,83 @@ def test_a_stateful_tf_draw_is_warned_about_once(cpus):
         warnings.simplefilter("error")  # a SeedGenerator model: no warning
         keras_mirror.MirroredModel(_noisy(11), execution="strategy").fit(
             x, y, batch_size=8, epochs=1, verbose=0)
+
+
+class StepDraws(keras.Model):
+    """An own `train_step` drawing a shard's rows in every way Keras can."""
+
+    def __init__(self):
+        super().__init__()
+        self.seed_generator = keras.random.SeedGenerator(4)
+        self.dense = layers.Dense(1)
+        self.dropout = layers.Dropout(0.5, seed=2)
+
+    def call(self, x, training=False):
+        return self.dense(self.dropout(x, training=training))
+
+    def train_step(self, data):
+        x, y = data
+        b = ops.shape(x)[0]
+        seed = self.seed_generator
+        labels = ops.concatenate([ops.ones((b, 1)), ops.zeros((b, 1))])
+        labels = labels + 0.05 * keras.random.uniform((2 * b, 1), seed=seed)
+        noise = keras.random.truncated_normal(ops.shape(x), seed=seed)
+        picks = keras.random.randint((b, 1), 0, 3, seed=seed)
+        x = x + 0.1 * noise * ops.cast(picks, "float32")
+        with tf.GradientTape() as tape:
+            pred = self(x, training=True)
+            loss = ops.mean((pred - y) ** 2) + 0.01 * ops.mean(
+                (ops.concatenate([pred, pred]) - labels) ** 2)
+        grads = tape.gradient(loss, self.trainable_variables)
+        self.optimizer.apply(grads, self.trainable_variables)
+        return {"loss": loss}
+
+
+def test_every_draw_in_the_step_makes_its_replicas_rows_only(cpus):
+    """Read from the step as TF ran it: each random op of each replica
+    outputs its shard's 10 rows (of a 40-row global batch), never the 40
+    rows of the global batch (the old gather drew 4x these)."""
+    from tests.support.random_ops import random_draw_sizes
+
+    rng = np.random.default_rng(3)
+    x = rng.normal(size=(40, 6)).astype("float32")
+    y = rng.normal(size=(40, 1)).astype("float32")
+    model = StepDraws()
+    model(x[:1])
+    model.compile("sgd")
+    mirrored = keras_mirror.MirroredModel(model, execution="strategy")
+    sizes = random_draw_sizes(lambda: mirrored.fit(
+        x, y, batch_size=40, epochs=1, shuffle=False, verbose=0))
+    # Per replica: dropout 10x6, uniform 2 blocks of 10x1, truncated 10x6,
+    # randint 10x1 (each flat draw may start up to 3 elements early).
+    assert sorted({kind for kind, _ in sizes}) == [
+        "StatelessRandomUniformIntV2", "StatelessRandomUniformV2",
+        "StatelessTruncatedNormalV2"]
+    assert len(sizes) == 4 * 5
+    assert all(size <= 10 * 6 + 3 for _, size in sizes), sizes
+    assert max(size for _, size in sizes) >= 10 * 6
+
+
+def test_a_gan_like_step_trains_as_on_one_device(cpus):
+    """Seeded uniform (2 stacked blocks), truncated normal, randint and
+    Dropout in an own step, 4 replicas, batches 7, 7, 7, 1 (empty
+    shards): one device's weights and seed states."""
+    rng = np.random.default_rng(4)
+    x = rng.normal(size=(22, 6)).astype("float32")
+    y = rng.normal(size=(22, 1)).astype("float32")
+
+    def build():
+        keras.utils.set_random_seed(1)
+        model = StepDraws()
+        model(x[:1])
+        model.compile("sgd")
+        return model
+
+    single = build()
+    single.fit(x, y, batch_size=7, epochs=2, shuffle=False, verbose=0)
+    model = build()
+    keras_mirror.MirroredModel(model, execution="strategy").fit(
+        x, y, batch_size=7, epochs=2, shuffle=False, verbose=0)
+    for a, b in zip(single.variables, model.variables):
+        np.testing.assert_allclose(b.numpy(), a.numpy(), atol=1e-5,
+                                   err_msg=a.path)
