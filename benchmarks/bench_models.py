@@ -18,10 +18,10 @@ import os
 import sys
 
 _ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
-MODELS = ("mlp", "convnet", "convnet_bn", "gan")
+MODELS = ("mlp", "convnet", "convnet_bn", "dropout_mlp", "gan")
 OWN_STEP = ("gan",)  # models with their own `train_step`
 SHAPES = {"mlp": (64,), "convnet": (28, 28, 1), "convnet_bn": (28, 28, 1),
-          "gan": (6,)}
+          "dropout_mlp": (256,), "gan": (6,)}
 
 
 def compile_keras(keras):
@@ -77,6 +77,14 @@ def build(keras, name):
                   keras.layers.Dense(256, activation="relu"),
                   keras.layers.Dense(256, activation="relu"),
                   keras.layers.Dense(10)]
+    elif name == "dropout_mlp":
+        # Random-heavy: two Dropout masks of 2048 per row (issue #40's
+        # "Dropout-heavy MLP"), where exact randomness costs most.
+        layers = [keras.Input((256,))]
+        for _ in range(2):
+            layers += [keras.layers.Dense(2048, activation="relu"),
+                       keras.layers.Dropout(0.5, seed=1)]
+        layers.append(keras.layers.Dense(10))
     elif name in ("convnet", "convnet_bn"):
         layers = _convnet(keras, name == "convnet_bn")
     else:

@@ -13,6 +13,7 @@ from keras_mirror.distribute import _worker_input
 from keras_mirror.distribute import devices as devices_lib
 from keras_mirror.steps import _batchnorm
 from keras_mirror.steps import _execution
+from keras_mirror.steps import _state
 from keras_mirror.steps import dispatch
 from keras_mirror.steps import own_step
 from keras_mirror.wrapper import _arguments
@@ -172,6 +173,7 @@ class MirroredModel(ReplicaAttributes, _user_model.UserModelState,
         self._inner = original
         object.__setattr__(self, "_homes",
                            _homes.VariableHomes(original, strategy))
+        object.__setattr__(self, "_step_state", _state.StepState())
         self._batch_mode = batch
         self._batchnorm = batchnorm
         _batchnorm.say_mode(original, batchnorm, len(self._devices))

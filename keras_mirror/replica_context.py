@@ -65,8 +65,12 @@ class ReplicaContext:
     def __init__(self, replica_id, num_replicas, shard_size,
                  global_batch_size, distributed=False, options=None,
                  gradient_dtype=None, offset=None,
-                 shares_after_gradient=False, traced_once=False):
+                 shares_after_gradient=False, traced_once=False,
+                 compiled=False):
         self.replica_id = replica_id
+        # Inside an XLA-compiled replica function: shapes must be known when
+        # it compiles (`steps/_random.py` draws the global batch's rows).
+        self._compiled = compiled
         # Inside the built-in step's work traced once for all replicas
         # (`steps/_one_trace.py`), where no replica can wait for another.
         self._traced_once = traced_once
@@ -109,9 +113,8 @@ class ReplicaContext:
 
     def all_reduce_sum(self, value):
         """Sums `value` (a tensor or a structure of them) over replicas."""
-        if not self.distributed:
+        if not self.distributed or self._unserved_in_one_trace():
             return value
-        self._check_not_traced_once()
         import tensorflow as tf
 
         # An empty shard runs a stand-in row (`steps/_stand_in.py`): it adds
@@ -158,14 +161,24 @@ class ReplicaContext:
         """
         if not self.distributed:
             return value
-        self._check_not_traced_once()
+        if self._unserved_in_one_trace():
+            return _stand_in_gather(self, value)
         return _gather(self, value)
 
-    def _check_not_traced_once(self):
-        """A cross-replica call in work traced once for all replicas says
-        so before TensorFlow sees it; the step then traces per replica."""
-        if self._traced_once:
-            raise InTracedOnce(InTracedOnce.reason)
+    def _unserved_in_one_trace(self):
+        """Whether this call is in work traced once for all replicas.
+
+        No replica can wait for another inside one trace: the call notes
+        why (`steps/_one_trace.note`) before TensorFlow sees it, returns a
+        stand-in of the result's shape, and the trace it is in is dropped:
+        the step then traces its work per replica, where the call runs.
+        """
+        if not self._traced_once:
+            return False
+        from keras_mirror.steps import _one_trace
+
+        _one_trace.note(CROSS_REPLICA_IN_ONE_TRACE)
+        return True
 
     def __repr__(self):
         return (f"ReplicaContext(replica_id={self.replica_id}, "
@@ -174,18 +187,20 @@ class ReplicaContext:
                 f"global_batch_size={self.global_batch_size})")
 
 
-class InTracedOnce(Exception):
-    """A cross-replica call met inside work traced once for all replicas.
+CROSS_REPLICA_IN_ONE_TRACE = (
+    "the forward pass all-reduces across replicas, which no replica can "
+    "wait for inside a function traced once for all replicas")
 
-    Raised by keras-mirror's own check, before TensorFlow sees the call;
-    the built-in step then traces its work per replica
-    (`steps/_one_trace.py`). The reason is the class's: Keras re-raises an
-    exception from a layer's `call` as a new one with its own text.
-    """
 
-    reason = ("the forward pass all-reduces across replicas, which no "
-              "replica can wait for inside a function traced once for all "
-              "replicas")
+def _stand_in_gather(context, value):
+    """Zeros shaped like `all_gather(value)`, for a trace to be dropped."""
+    import tensorflow as tf
+
+    value = tf.convert_to_tensor(value)
+    if value.shape.rank == 0:
+        return value
+    rows = tf.cast(context.global_batch_size, tf.int32)
+    return tf.zeros(tf.concat([[rows], tf.shape(value)[1:]], 0), value.dtype)
 
 
 def _gather(context, value):

@@ -15,28 +15,54 @@ is what every replica calls. Its ops carry no device; each call runs on the
 device of its replica's scope.
 
 Where the work cannot be traced once, the step traces it per replica, and
-the reason is logged once (logger `keras_mirror`, INFO) and kept (the trace
-is only a start-up cost). Decided before tracing: a model's own `train_step`,
-synchronized BatchNormalization, `run_eagerly`, one local replica without
-XLA, and sparse or ragged input (`composite`). Signalled by keras-mirror's
-own code the moment the trace meets it, before TensorFlow does (`Unshared`,
-never an error message of TensorFlow's): a masked output (its loss shares
-need every replica's count, an all-reduce) and a cross-replica call of
-`replica_context()` inside the forward pass (no replica can wait for
-another inside one trace).
+the reason is logged once (logger `keras_mirror`, INFO) and kept in the
+wrapper's `StepState` (the trace is only a start-up cost). Decided before
+tracing: a model's own `train_step`, BatchNormalization with global
+statistics, `run_eagerly`, one local replica without XLA, and sparse or
+ragged input (`composite`). Noted by keras-mirror's own code while the
+single trace is made (`note`; no exception, no error text of
+TensorFlow's): a masked output (its loss shares need every replica's count,
+an all-reduce), a cross-replica call of `replica_context()` inside the
+forward pass (no replica can wait for another inside one trace) and, with
+XLA, a pass that updates state outside the model. That trace is then
+dropped before any replica runs it (`Traced.prepare`), and the replica
+step takes its per-replica branch.
 """
 
 import logging
+import threading
 
 import tensorflow as tf
 
-from keras_mirror.replica_context import InTracedOnce
+from keras_mirror.replica_context import CROSS_REPLICA_IN_ONE_TRACE
 from keras_mirror.steps import _batchnorm
 from keras_mirror.steps import _xla
 from keras_mirror.steps import arithmetic
 
 SPARSE = "a shard is sparse or ragged"
-REDUCES = InTracedOnce.reason
+REDUCES = CROSS_REPLICA_IN_ONE_TRACE
+
+
+class _Trial(threading.local):
+    """The reasons noted while the single trace is made (None: none is)."""
+
+    reasons = None
+
+
+_TRIAL = _Trial()
+
+
+def note(reason):
+    """Notes, while work is traced once for all replicas, that one trace
+    cannot serve it: `reason` says why (`Traced.prepare` then drops the
+    trace). The caller goes on with a stand-in value of the right shape.
+    """
+    if _TRIAL.reasons is None:
+        raise RuntimeError(
+            f"keras-mirror: {reason}, outside the single trace of a "
+            "replica's work. This is a bug in keras-mirror; please report "
+            "it with the model.")
+    _TRIAL.reasons.append(reason)
 
 
 def enabled(mirrored):
@@ -50,7 +76,7 @@ def enabled(mirrored):
     for XLA, whose compiled function it is (one trace has nothing to share
     there).
     """
-    if mirrored._custom_step or mirrored.__dict__.get("_one_trace_off"):
+    if mirrored._custom_step or mirrored._step_state.one_trace_off:
         return False
     if getattr(mirrored._inner, "run_eagerly", False):
         return False
@@ -72,11 +98,11 @@ def replica_work(mirrored, body, shards):
     shard's rows, which differ between replicas.
     """
     jit = _xla.enabled(mirrored)
-    function = _xla.replica_function(mirrored._inner, body, jit)
+    function = _xla.replica_function(mirrored._inner, body, jit, note)
     if jit:
         _xla.remember(mirrored, function)
     traced = Traced(function, [i + 2 for i in shards], jit)
-    mirrored.__dict__["_one_trace_last"] = traced
+    mirrored._step_state.one_trace_last = traced
     return traced
 
 
@@ -99,32 +125,25 @@ def finisher(mirrored, keys):
 
     def call(grads, shard_loss, rows, sw, start):
         rows = tf.cast(rows, tf.int32)
-        if any(isinstance(g, tf.IndexedSlices) for g in grads):
-            return finish(grads, shard_loss, rows, sw, start)
-        return traced(grads, shard_loss, rows, sw, start)
+        args = (grads, shard_loss, rows, sw, start)
+        if any(isinstance(g, tf.IndexedSlices) for g in grads) or \
+                traced.prepare(*args) is not None:
+            return finish(*args)
+        return traced(*args)
 
     return call
 
 
-class Unshared(Exception):
-    """Raised before tracing work that one trace cannot serve exactly.
-
-    The reason is the class's (`reason`): Keras re-raises an exception from
-    a layer's `call` as a new one of the same class with its own text.
-    """
-
-    reason = SPARSE
-
-
-
-
 class Traced:
-    """A function traced on its first call, then called as that trace.
+    """A function traced once, then called as that trace by every replica.
 
-    Sparse or ragged shards are not traced once (measured: weights 0.06
-    away from one device's with a sparse input on in_graph): with XLA the
-    function is called as a `tf.function` (as before the single trace),
-    without it `Unshared` sends the step back to per-replica traces.
+    `prepare(*args)` traces it on its first call (the shards' row counts
+    unknown) and returns why one trace cannot serve the work (`note`d while
+    tracing, or sparse or ragged shards), or None; the caller then calls
+    it. Sparse or ragged shards are not traced once (measured: weights 0.06
+    away from one device's with a sparse input): with XLA the function is
+    called as a `tf.function`, retraced per shape, as before the single
+    trace.
     """
 
     def __init__(self, function, shards, jit=False):
@@ -132,21 +151,39 @@ class Traced:
         self._shards = set(shards)
         self._concrete = None
         self._jit = jit
+        self.reason = None
 
     def tracing_count(self):
         """How many times the function was traced (1 once it ran)."""
         return self.function.experimental_get_tracing_count()
 
+    def prepare(self, *args):
+        """Traces the function for `args` (once); why one trace cannot
+        serve them, or None."""
+        if self._concrete is not None or self.reason is not None:
+            return self.reason
+        sparse = composite(args)
+        if sparse and not self._jit:
+            self.reason = SPARSE
+            return self.reason
+        _TRIAL.reasons = reasons = []
+        try:
+            if sparse:
+                concrete = self.function.get_concrete_function(*args)
+            else:
+                concrete = self.function.get_concrete_function(*[
+                    _specs(a, i in self._shards) for i, a in enumerate(args)])
+        finally:
+            _TRIAL.reasons = None
+        if reasons:
+            self.reason = reasons[0]
+        elif not sparse:
+            self._concrete = concrete
+        return self.reason
+
     def __call__(self, *args):
-        composite = any(isinstance(t, (tf.SparseTensor, tf.RaggedTensor))
-                        for t in tf.nest.flatten(args))
-        if composite and self._jit:
+        if self._concrete is None:  # sparse or ragged shards, with XLA
             return self.function(*args)
-        if composite:
-            raise Unshared(SPARSE)
-        if self._concrete is None:
-            specs = [_specs(a, i in self._shards) for i, a in enumerate(args)]
-            self._concrete = self.function.get_concrete_function(*specs)
         return self._concrete(*args)
 
 
@@ -183,10 +220,10 @@ def composite(data):
 def run(mirrored, traced, plain, data=None):
     """`traced()` (the step with the work traced once), else `plain()`.
 
-    Decided before tracing where the input says it (sparse or ragged
-    leaves: `composite`); a trace that meets what it cannot serve raises
-    keras-mirror's own `Unshared` or `_xla.Unsupported`, which turns the
-    single trace off for this wrapper, and the step is built by `plain()`.
+    Decided here, before tracing, from the wrapper and the input (sparse or
+    ragged leaves: `composite`); what only the trace can show is noted
+    while tracing, and the replica step then takes its per-replica branch
+    (`Traced.prepare`).
     """
     if enabled(mirrored) and composite(data) and not _xla.enabled(
             mirrored):
@@ -194,30 +231,22 @@ def run(mirrored, traced, plain, data=None):
     if not enabled(mirrored):
         _xla.enabled(mirrored)  # warns once why XLA is off, if it was asked
         return plain()
-    try:
-        return traced()
-    except _xla.Unsupported as e:
-        turn_off(mirrored, str(e))
-    except (Unshared, InTracedOnce) as e:
-        turn_off(mirrored, type(e).reason)
-    return plain()
+    return traced()
 
 
 def turn_off(mirrored, reason):
     """Traces per replica from now on (and without XLA, saying why)."""
     if _xla.enabled(mirrored) and reason != SPARSE:
         _xla.turn_off(mirrored, reason)
-    mirrored.__dict__["_one_trace_off"] = reason
+    mirrored._step_state.one_trace_off = reason
     _log_once(mirrored, reason)
 
 
 def _log_once(mirrored, reason):
     """Says once per wrapper and reason why the work is traced per replica.
     """
-    said = mirrored.__dict__.setdefault("_one_trace_said", set())
-    if reason in said:
+    if not mirrored._step_state.first_time("one trace", reason):
         return
-    said.add(reason)
     logging.getLogger("keras_mirror").info(
         "keras-mirror traces the replica step per replica, not once for "
         "all replicas, because %s.", reason)

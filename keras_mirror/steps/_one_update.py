@@ -26,23 +26,24 @@ It serves Keras's built-in step whether or not the replica's forward pass is
 traced once (`_one_trace`), not a model's own `train_step` (whose
 optimizer's `apply` runs inside the user's step).
 
-Where it cannot serve, the step applies the gradients as stock Keras does,
-without a word (it is only a start-up cost): `run_eagerly`, an optimizer
-not yet built, a missing gradient, a variable with another
-aggregation or one not copied on every replica, or a trace that fails or
-reads state it was not given (a learning-rate schedule with its own
-variable).
+Where it cannot serve, the step applies the gradients as stock Keras does
+and says why once (logger `keras_mirror`, INFO; it is only a start-up
+cost). Decided before tracing (`reason_against`): `run_eagerly`, an
+optimizer not yet built, a missing gradient, a variable with another
+aggregation or one not copied on every replica; and from the trace, before
+any replica runs it: an update that reads state it was not given (a
+learning-rate schedule with its own variable). A trace that fails is a
+failure, not a fallback: it raises.
 """
+
+import logging
 
 import tensorflow as tf
 
 from keras_mirror import _compat
 
 _WRITABLE = ("none", "only_first_replica")
-
-
-class Unserved(Exception):
-    """Raised when one trace cannot serve the update."""
+CAPTURES = "the update reads state it was not given"
 
 
 def reason_against(optimizer, variables, grads, strategy):
@@ -116,19 +117,22 @@ class Update:
 
     def __call__(self, grads, finite=None):
         copies = self._copies()
-        if self._concrete is None:
-            specs = (copies, [_spec(g, v) for g, v in zip(grads, copies)],
-                     None if finite is None else tf.TensorSpec([], tf.bool))
-            try:
-                concrete = self.function.get_concrete_function(*specs)
-            except Exception as e:  # noqa: BLE001 - the stock update instead
-                raise Unserved(f"tracing it raised {type(e).__name__}: "
-                               f"{e}") from e
-            if concrete.captured_inputs:
-                raise Unserved("the update reads state it was not given")
-            self._concrete = concrete
-            self._signature = (_kinds(grads), finite is None)
         self._concrete(copies, list(grads), finite)
+
+    def prepare(self, grads, finite=None):
+        """Traces the update for these arguments (once); why the trace
+        cannot serve every replica, or None (then call it)."""
+        if self._concrete is not None:
+            return None
+        copies = self._copies()
+        specs = (copies, [_spec(g, v) for g, v in zip(grads, copies)],
+                 None if finite is None else tf.TensorSpec([], tf.bool))
+        concrete = self.function.get_concrete_function(*specs)
+        if concrete.captured_inputs:
+            return CAPTURES
+        self._concrete = concrete
+        self._signature = (_kinds(grads), finite is None)
+        return None
 
     def serves(self, optimizer, variables, grads, finite):
         """Whether this trace takes these arguments."""
@@ -166,23 +170,23 @@ def apply(mirrored, grads, variables, finite=None):
     """Applies `grads` with one trace for all replicas; False where it
     cannot (the caller then applies them as stock Keras does)."""
     optimizer = mirrored._inner.optimizer
-    strategy = mirrored._strategy
-    reason = reason_against(optimizer, variables, grads, strategy)
-    if reason is not None:
-        mirrored.__dict__["_one_update_reason"] = reason
-        return False
+    state = mirrored._step_state
+    reason = reason_against(optimizer, variables, grads, mirrored._strategy)
     # One trace serves every replica and every later trace of the step (a
     # retrace for a new batch shape): it holds no state of its graph.
-    update = mirrored.__dict__.get("_one_update_last")
-    if update is None or not update.serves(optimizer, variables, grads,
-                                           finite):
-        update = Update(optimizer, variables, strategy)
-        mirrored.__dict__["_one_update_last"] = update
-    try:
-        update(grads, finite)
-    except Unserved as e:
-        mirrored.__dict__["_one_update_reason"] = str(e)
-        mirrored.__dict__.pop("_one_update_last", None)
+    update = state.one_update_last
+    if reason is None and (update is None or not update.serves(
+            optimizer, variables, grads, finite)):
+        update = Update(optimizer, variables, mirrored._strategy)
+        reason = update.prepare(grads, finite)
+        state.one_update_last = None if reason else update
+    state.one_update_reason = reason
+    if reason is not None:
+        if state.first_time("one update", reason):
+            logging.getLogger("keras_mirror").info(
+                "keras-mirror applies the gradients as stock Keras does (the "
+                "optimizer's update traced per replica), because %s.",
+                reason)
         return False
-    mirrored.__dict__.pop("_one_update_reason", None)
+    update(grads, finite)
     return True

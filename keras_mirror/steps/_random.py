@@ -97,7 +97,8 @@ def _rows(draw, shape, ctx, rows_at=None):
     `rows_at(offset, count, rest)`, when given, draws rows `[offset, offset
     + count)` of the global draw alone (counter-offset Philox, `_philox`):
     each replica then generates its own rows only. Without it the draw is
-    made for the global batch and the replica's rows are gathered.
+    made for the global batch and the replica's rows are gathered (also in
+    an XLA-compiled step, where sizes must be known when it compiles).
     """
     split = _split_shape(shape)
     if split is None:
@@ -134,7 +135,10 @@ def _rows(draw, shape, ctx, rows_at=None):
     def as_asked():
         return draw(tf.concat([[lead], rest], 0))
 
-    out = tf.cond(exact, own_rows if rows_at else global_rows, as_asked)
+    # XLA needs each draw's size when it compiles; a shard's offset and rows
+    # are values of the plan, so a compiled step gathers its rows.
+    own = rows_at is not None and not getattr(ctx, "_compiled", False)
+    out = tf.cond(exact, own_rows if own else global_rows, as_asked)
     out.set_shape(_static(shape))
     return out
 

@@ -2,7 +2,6 @@
 
 import contextlib
 import warnings
-import weakref
 
 import tensorflow as tf
 
@@ -70,20 +69,19 @@ def warn_stateful_draws(mirrored, graph, version):
     """Warns once per wrapper when a replica step just traced into `graph`
     draws with stateful TF random ops (more than one replica)."""
     if mirrored.num_replicas < 2 or not isinstance(graph, tf.Graph) or \
-            mirrored.__dict__.get("_warned_stateful_draws") or \
+            mirrored._step_state.stateful_warned or \
             tf.executing_eagerly():
         return
     # Every replica runs the same code: one look per traced graph (the
     # strategy path traces each replica into the same graph in turn).
-    scanned = mirrored.__dict__.setdefault("_scanned_graphs",
-                                           weakref.WeakSet())
+    scanned = mirrored._step_state.scanned_graphs
     if graph in scanned:
         return
     scanned.add(graph)
     found = stateful_draws(graph, version)
     if not found:
         return
-    mirrored.__dict__["_warned_stateful_draws"] = True
+    mirrored._step_state.stateful_warned = True
     warnings.warn(
         "The step draws with stateful TensorFlow random ops "
         f"({', '.join(found)}; `tf.random.normal` and the like): each of the "

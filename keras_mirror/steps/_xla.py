@@ -41,10 +41,6 @@ OTHER_STATE = ("the loss or the forward pass updates variables that are not "
                "whose updates a function of the model's values would drop")
 
 
-class Unsupported(Exception):
-    """Raised while tracing a replica function that XLA cannot compile."""
-
-
 def enabled(mirrored):
     """True when the wrapped model was compiled with `jit_compile` on.
 
@@ -55,7 +51,7 @@ def enabled(mirrored):
     if not getattr(inner, "compiled", False) or getattr(
             inner, "run_eagerly", False) or not inner.jit_compile:
         return False
-    off = mirrored.__dict__.get("_xla_off")
+    off = mirrored._step_state.xla_off
     if off is not None:
         warn_once(mirrored, off)
         return False
@@ -71,22 +67,20 @@ def enabled(mirrored):
 
 def turn_off(mirrored, reason):
     """Runs this wrapper's steps uncompiled from now on, saying why once."""
-    mirrored.__dict__["_xla_off"] = reason
+    mirrored._step_state.xla_off = reason
     warn_once(mirrored, reason)
 
 
 def warn_once(mirrored, reason):
-    warned = mirrored.__dict__.setdefault("_xla_warned", set())
-    if reason in warned:
+    if not mirrored._step_state.first_time("xla", reason):
         return
-    warned.add(reason)
     warnings.warn(
         "The wrapped model was compiled with `jit_compile=True`, but "
         f"keras-mirror runs its replica step without XLA because {reason}. "
         "Received: jit_compile=True", UserWarning, stacklevel=4)
 
 
-def replica_function(model, body, jit_compile=True):
+def replica_function(model, body, jit_compile, note):
     """One function of a replica's work, for every replica (XLA: default).
 
     `body(*args)` runs the forward pass and returns `(outputs, loss to
@@ -96,8 +90,9 @@ def replica_function(model, body, jit_compile=True):
     from one trace): `f(trainable, non_trainable, *args)` returns
     `(outputs, gradients, non-trainable values after the pass)`, computed
     in a `keras.StatelessScope` as Keras's own `stateless_call` does.
-    A pass that updates any other variable (`OTHER_STATE`) raises
-    `Unsupported` while tracing: its updates would be dropped.
+    A pass that updates any other variable calls `note(OTHER_STATE)` while
+    tracing (`_one_trace.note`: its updates would be dropped, so that trace
+    is not used).
     """
     trainable = list(model.trainable_variables)
     non_trainable = list(model.non_trainable_variables)
@@ -113,7 +108,7 @@ def replica_function(model, body, jit_compile=True):
                 outputs, loss = body(*args)
                 updates = [scope.get_current_value(v) for v in non_trainable]
             if set(scope.state_mapping) - known:
-                raise Unsupported(OTHER_STATE)
+                note(OTHER_STATE)
         grads = tape.gradient(loss, t_values)
         return outputs, grads, updates
 
@@ -122,7 +117,7 @@ def replica_function(model, body, jit_compile=True):
 
 def remember(mirrored, function):
     """Keeps the last traced replica function (its trace count is tested)."""
-    mirrored.__dict__["_xla_last"] = function
+    mirrored._step_state.xla_last = function
     return function
 
 
@@ -134,8 +129,3 @@ def values(variables):
 def assign(variables, new_values):
     for v, value in zip(variables, new_values):
         v.assign(value)
-
-
-def check_no_mask(mask):
-    if mask is not None:
-        raise Unsupported(MASKED)

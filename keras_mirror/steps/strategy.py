@@ -85,7 +85,8 @@ class ReplicaSteps:
         it = iter(packed)
         return tuple(next(it) if p else None for p in present)
 
-    def _context(self, global_rows, sizes, r=None, traced_once=False):
+    def _context(self, global_rows, sizes, r=None, traced_once=False,
+                 compiled=False):
         """Makes `replica_context()` describe this replica in its step.
 
         Its shard size is the plan's (0 for a stand-in replica, whose
@@ -99,7 +100,7 @@ class ReplicaSteps:
             distributed=True, options=self._comm_options,
             gradient_dtype=self._gradient_dtype,
             offset=tf.gather(split.offsets_tensor(sizes), r),
-            traced_once=traced_once))
+            traced_once=traced_once, compiled=compiled))
 
     @staticmethod
     def _real_rows():
@@ -162,12 +163,17 @@ class ReplicaSteps:
         One function (`_one_trace`; XLA-compiled with `jit_compile`) that
         every replica calls in its context with its copies of the
         variables' values, its shard and its id; a masked output (its
-        shares need an all-reduce) raises `_xla.Unsupported` while tracing.
+        shares need an all-reduce) is noted while tracing (`_one_trace.note`)
+        and the step's work then traced per replica.
         """
+        compiled = _xla.enabled(self)
+
         def body(x, y, sw, sizes, r, scale):
-            with self._context(global_rows, sizes, r, traced_once=True):
+            with self._context(global_rows, sizes, r, traced_once=True,
+                               compiled=compiled):
                 y_pred = self._inner(x, training=True)
-                _xla.check_no_mask(arithmetic.output_mask(y_pred))
+                if arithmetic.output_mask(y_pred) is not None:
+                    _one_trace.note(_xla.MASKED)
                 contribution, shard = self._replica_loss(
                     x, y, y_pred, sw, True, global_rows)
             return (y_pred, contribution, shard), contribution * scale
@@ -175,14 +181,20 @@ class ReplicaSteps:
         return _one_trace.replica_work(self, body, shards=(0, 1, 2))
 
     def _replica_traced(self, work, x, y, sw, global_rows, sizes):
+        """The traced-once work's results, or None where its trace cannot
+        serve (the reason, noted while tracing, is logged once)."""
         inner = self._inner
         scale = tf.cast(inner.optimizer.scale_loss(tf.ones((), tf.float32)),
                         tf.float32)
         r = tf.distribute.get_replica_context().replica_id_in_sync_group
-        (y_pred, contribution, shard), grads, updates = work(
-            _xla.values(inner.trainable_variables),
-            _xla.values(inner.non_trainable_variables), x, y, sw, sizes,
-            tf.cast(r, tf.int32), scale)
+        args = (_xla.values(inner.trainable_variables),
+                _xla.values(inner.non_trainable_variables), x, y, sw, sizes,
+                tf.cast(r, tf.int32), scale)
+        reason = work.prepare(*args)
+        if reason is not None:
+            _one_trace.turn_off(self, reason)
+            return None
+        (y_pred, contribution, shard), grads, updates = work(*args)
         _xla.assign(inner.non_trainable_variables, updates)
         return y_pred, contribution, shard, None, grads
 
@@ -192,9 +204,10 @@ class ReplicaSteps:
         keys = self._stat_keys()
         variables = self._inner.trainable_weights
         optimizer = self._inner.optimizer
-        if traced is not None:  # (work, finish), each traced once
-            y_pred, contribution, shard, mask, grads = self._replica_traced(
-                traced[0], x, y, sw, global_rows, sizes)
+        done = traced and self._replica_traced(traced[0], x, y, sw,
+                                               global_rows, sizes)
+        if done:  # the work and the finish (`traced`), each traced once
+            y_pred, contribution, shard, mask, grads = done
             rows = _real_rows_of(sizes)
             sw = _stand_in.real_rows(sw, rows)
             grads, stats = traced[1](grads, shard, rows, sw, start)
@@ -215,42 +228,44 @@ class ReplicaSteps:
         reduced = allreduce.all_reduce_sum(
             grads, self._comm_options, self._gradient_dtype)
         ctx = tf.distribute.get_replica_context()
-        if self.on_nonfinite == "warn":
-            if not _one_update.apply(self, reduced, variables):
-                optimizer.apply(reduced, variables)
-        else:
-            total_nonfinite = ctx.all_reduce(tf.distribute.ReduceOp.SUM,
-                                             stats["replica_nonfinite"])
-            finite = tf.equal(total_nonfinite, 0)
-            if not _one_update.apply(self, reduced, variables, finite):
-                self._apply(reduced, variables, total_nonfinite)
+        finite = None
+        if self.on_nonfinite != "warn":
+            finite = tf.equal(ctx.all_reduce(tf.distribute.ReduceOp.SUM,
+                                             stats["replica_nonfinite"]), 0)
+        self._apply(reduced, variables, finite)
         loss = ctx.all_reduce(tf.distribute.ReduceOp.SUM, contribution)
         packed = arithmetic.pack_stats([stats], keys) if keys else None
         y_pred, mask = _stand_in.real_rows((y_pred, mask), rows)
         return self._with_mask(y_pred, mask), loss, packed
 
-    def _apply(self, grads, variables, total_nonfinite):
-        """Applies the all-reduced gradients once, or skips a bad step.
+    def _apply(self, grads, variables, finite=None):
+        """Applies the all-reduced gradients once, on every replica.
 
-        For `on_nonfinite` "skip_step" and "raise": a non-finite value on
-        any replica skips the update on all of them.
+        With `finite` (`on_nonfinite` "skip_step" and "raise"), a False (a
+        non-finite value on any replica) skips the update on all of them.
+        The optimizer's own update, traced once for all replicas
+        (`_one_update`); where that cannot serve (the reason logged once),
+        the optimizer's stock `apply`, as Keras runs it.
         """
+        if _one_update.apply(self, grads, variables, finite):
+            return
+        optimizer = self._inner.optimizer
+        if finite is None:
+            optimizer.apply(grads, variables)
+            return
 
-        def cross_replica(strategy, grads, total):
-            finite = tf.equal(
-                strategy.experimental_local_results(total)[0], 0)
-
+        def cross_replica(strategy, grads, finite):
             def apply_on_each():
                 strategy.extended.call_for_each_replica(
-                    lambda g: self._inner.optimizer.apply(g, variables),
-                    args=(grads,))
+                    lambda g: optimizer.apply(g, variables), args=(grads,))
 
             # A cond whose branch calls `merge_call` must run in the
             # cross-replica context (as Keras's LossScaleOptimizer does).
-            tf.cond(finite, apply_on_each, lambda: None)
+            tf.cond(strategy.experimental_local_results(finite)[0],
+                    apply_on_each, lambda: None)
 
         tf.distribute.get_replica_context().merge_call(
-            cross_replica, args=(grads, total_nonfinite))
+            cross_replica, args=(grads, finite))
 
     def train_step(self, data):
         x, y, sw = keras.utils.unpack_x_y_sample_weight(data)

@@ -1,4 +1,5 @@
-"""One trace for N replicas (`steps/_one_trace.py`): traced once, exact.
+"""One trace for N replicas (`keras_mirror/steps/_one_trace.py`; its state
+in `keras_mirror/steps/_state.py`): traced once, exact.
 
 Keras's built-in step traces a replica's forward pass, loss and gradients
 once and every replica calls that trace, on both execution paths, with
@@ -53,10 +54,10 @@ def one_device():
 def test_one_trace_serves_every_replica(execution, one_device):
     mirrored, weights = _train(execution)
     assert len(mirrored.devices) == 4
-    traced = mirrored._one_trace_last
+    traced = mirrored._step_state.one_trace_last
     # Every replica of every step called the same trace.
     assert traced.tracing_count() == 1
-    assert "_one_trace_off" not in mirrored.__dict__
+    assert mirrored._step_state.one_trace_off is None
     diff = max(float(np.abs(a - b).max())
                for a, b in zip(one_device, weights))
     assert diff < TOL
@@ -77,7 +78,68 @@ def test_a_reduction_in_the_forward_pass_traces_per_replica(one_device):
 
     mirrored, weights = _train("strategy", build)
     # TensorFlow refuses `merge_call` inside a function traced once.
-    assert mirrored._one_trace_off == _one_trace.REDUCES
+    assert mirrored._step_state.one_trace_off == _one_trace.REDUCES
     diff = max(float(np.abs(a - b).max())
                for a, b in zip(one_device, weights))
     assert diff < TOL
+
+
+class Gathers(layers.Layer):
+    """A forward pass that reads the global batch (`all_gather`)."""
+
+    def call(self, x):
+        rows = keras_mirror.replica_context().all_gather(x)
+        return x + 0.0 * tf.reduce_mean(rows)
+
+
+def test_a_gather_in_the_forward_pass_is_noted_and_logged_once(
+        one_device, caplog):
+    def build():
+        return keras.Sequential([keras.Input((6,)), Gathers(), _model()])
+
+    with caplog.at_level("INFO", logger="keras_mirror"):
+        mirrored, weights = _train("strategy", build)
+    assert mirrored._step_state.one_trace_off == _one_trace.REDUCES
+    said = [r.getMessage() for r in caplog.records
+            if "traces the replica step per replica" in r.getMessage()]
+    assert said == [
+        "keras-mirror traces the replica step per replica, not once for all "
+        f"replicas, because {_one_trace.REDUCES}."]
+    diff = max(float(np.abs(a - b).max())
+               for a, b in zip(one_device, weights))
+    assert diff < TOL
+
+
+def test_a_masked_output_is_noted_while_tracing():
+    def build():
+        return keras.Sequential([
+            keras.Input((4,)), layers.Embedding(5, 3, mask_zero=True),
+            layers.Dense(3)])
+
+    rng = np.random.default_rng(1)
+    x = rng.integers(0, 5, size=(11, 4))
+    y = rng.normal(size=(11, 4, 3)).astype("float32")
+    weights = []
+    for wrap in (False, True):
+        keras.utils.set_random_seed(7)
+        model = build()
+        model.compile(optimizer="adam", loss="mse")
+        target = keras_mirror.MirroredModel(model) if wrap else model
+        target.fit(batches(x, y, SIZES), epochs=2, verbose=0)
+        weights.append([w.numpy() for w in model.weights])
+    assert target._step_state.one_trace_off == _one_trace._xla.MASKED
+    diff = max(float(np.abs(a - b).max()) for a, b in zip(*weights))
+    assert diff < TOL
+
+
+def test_a_note_outside_the_single_trace_is_a_bug_not_a_fallback():
+    with pytest.raises(RuntimeError, match="outside the single trace"):
+        _one_trace.note("a reason")
+
+
+def test_the_step_keeps_its_state_in_one_object():
+    mirrored, _ = _train("strategy")
+    step_keys = [k for k in vars(mirrored) if k.startswith(
+        ("_one_", "_xla", "_warned", "_scanned"))]
+    assert step_keys == []
+    assert mirrored._step_state.one_update_last.tracing_count() == 1

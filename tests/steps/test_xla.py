@@ -71,7 +71,7 @@ def _train(build, shape, wrap, execution, epochs=2, devices=None):
         mirrored = keras_mirror.MirroredModel(model, devices=devices,
                                               execution=execution)
         mirrored.fit(data, epochs=epochs, verbose=0)
-        assert mirrored.__dict__.get("_xla_last") is not None
+        assert mirrored._step_state.xla_last is not None
     else:
         model.fit(data, epochs=epochs, verbose=0)
     return [w.numpy() for w in model.weights]
@@ -99,7 +99,7 @@ def test_one_trace_serves_every_replica(execution):
     mirrored.fit(x, y, batch_size=10, verbose=0)
     assert len(mirrored.devices) == 4
     # One trace (`steps/_one_trace`), compiled once per device by XLA.
-    assert mirrored._xla_last.experimental_get_tracing_count() == 1
+    assert mirrored._step_state.xla_last.experimental_get_tracing_count() == 1
 
 
 # The four runs below share one fresh process (one TensorFlow start-up):
