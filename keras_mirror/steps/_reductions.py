@@ -161,7 +161,7 @@ _NEITHER = 0.25
 
 
 def _kind(once, twice):
-    """MEAN, SUM, None (neither) or UNDECIDED (0 everywhere, not finite).
+    """MEAN, SUM, None (neither) or UNDECIDED (0 or not finite throughout).
 
     `once`, `twice`: a term's `(value, flat gradient)` on a batch and on it
     repeated twice (`_loss_terms`). The nearer of the two hypotheses wins:
@@ -170,8 +170,10 @@ def _kind(once, twice):
     """
     a = np.concatenate([[once[0]], once[1]]).astype(np.float64)
     b = np.concatenate([[twice[0]], twice[1]]).astype(np.float64)
-    if not (np.all(np.isfinite(a)) and np.all(np.isfinite(b))):
-        return UNDECIDED
+    # A float16 sum of the doubled batch can overflow where its gradient
+    # does not: only what is finite on both batches is compared.
+    finite = np.isfinite(a) & np.isfinite(b)
+    a, b = a[finite], b[finite]
     size = np.linalg.norm(a)
     if size == 0.0:
         return UNDECIDED
