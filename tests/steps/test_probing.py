@@ -319,11 +319,14 @@ def test_a_batch_sum_of_normalised_outputs_is_a_sum():
 
 
 class _Penalty(keras.layers.Layer):
-    def __init__(self, reduce, **kwargs):
+    def __init__(self, reduce, training_only=False, **kwargs):
         super().__init__(**kwargs)
         self.reduce = reduce
+        self.training_only = training_only
 
-    def call(self, x):
+    def call(self, x, training=None):
+        if self.training_only and not training:
+            return x
         # Reduced in the layer's dtype (float16 under mixed_float16).
         self.add_loss(keras.ops.cast(
             0.01 * self.reduce(keras.ops.square(x)), "float32"))
@@ -370,8 +373,9 @@ def test_the_nearer_kind_wins_and_zero_is_undecided(once, twice, kind):
 
 @pytest.mark.parametrize("reduction", ["sum", "sum_over_batch_size", "mean"])
 def test_every_reduction_with_dropout_weights_and_add_loss_terms(reduction):
-    """Forward passes run with training=True, as `fit` runs them: Dropout
-    draws in the probe too, and a sum is still a sum."""
+    """Forward passes run with training=True, as `fit` runs them: a term
+    added in training only is classified too, Dropout draws in the probe,
+    and a sum is still a sum."""
     def make():
         keras.utils.set_random_seed(0)
         inputs = keras.Input((6,))
@@ -380,6 +384,7 @@ def test_every_reduction_with_dropout_weights_and_add_loss_terms(reduction):
         hidden = keras.layers.Dropout(0.3, seed=4)(hidden)
         hidden = _Penalty(keras.ops.sum)(hidden)
         hidden = _Penalty(keras.ops.mean)(hidden)
+        hidden = _Penalty(keras.ops.sum, training_only=True)(hidden)
         model = keras.Model(inputs, {
             "a": keras.layers.Dense(2, name="a")(hidden),
             "b": keras.layers.Dense(1, name="b")(hidden)})
@@ -398,6 +403,6 @@ def test_every_reduction_with_dropout_weights_and_add_loss_terms(reduction):
     single, expected, mirrored, logs = _both(make, ds)
     kind = "sum" if reduction == "sum" else "mean"
     assert mirrored._reductions.outputs == (kind, "mean")
-    assert mirrored._reductions.extras == ("mean", "sum", "mean")
+    assert mirrored._reductions.extras == ("mean", "sum", "mean", "sum")
     assert max_diff(single.get_weights(), mirrored.get_weights()) < 1e-5
     _assert_same_logs(expected, logs)
