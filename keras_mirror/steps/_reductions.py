@@ -8,17 +8,29 @@ global batch, `b_r / B`; a term that is a sum over the shard needs weight 1
 sum, or a layer's `add_loss(ops.sum(x) * 0.1)`, is no mean: weighting it as
 one would train differently from one device, silently.
 
-The terms, each classified on its own (`docs/exactness.md`):
+The terms, each classified on its own (`docs/exactness.md`), by its value
+and its gradient on the first real batch a step receives and on that batch
+repeated twice (`_loss_terms`: computed as `fit` computes them, with
+`training=True`, in a graph pruned to what they need, so that no metric,
+moving statistic or seed state is written): a mean keeps both, a sum
+doubles both. The nearer of the two wins, so float noise (a batch sum of
+normalised outputs, whose value is ~0 but whose gradient is not; float16
+rounding; a float16 sum that overflows on the doubled batch) decides
+nothing; a term farther from both than a quarter of its size is neither,
+and refused with an error naming it.
 
-- each output's compiled loss (its entry in Keras's `CompileLoss`): by its
-  value on the first real batch a step receives and on that batch repeated
-  twice (a mean keeps its value, a sum doubles). Where those values cannot
-  decide (0 both times, or not finite) a built-in Keras loss is classified
-  by its `reduction` attribute; anything else is refused, never taken for
-  a mean. Each output's logged `<name>_loss` follows its kind.
+- each output's compiled loss (its entry in Keras's `CompileLoss`). Where
+  the values cannot decide (0 with a 0 gradient, or not finite) a built-in
+  Keras loss is classified by its `reduction` attribute. Each output's
+  logged `<name>_loss` follows its kind.
 - a `compute_loss` override: the compiled term as a whole, the same way;
-- each `add_loss` term of the forward pass: the same way;
+- each `add_loss` term of the forward pass (activity regularisers
+  included): the same way;
 - weight regularisation: statically, counted once.
+
+A term that is 0 with a 0 gradient (or not finite) on the first batch, and
+has no `reduction` to go by, is weighted as a batch mean, with a warning
+naming it: never refused for being 0.
 
 The probe (`probe`) runs on one device, on the first batch of the first
 train or test call (`_probing`), so that it reads nothing the step would
