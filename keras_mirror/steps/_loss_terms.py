@@ -3,7 +3,8 @@
 `_reductions.probe` tells a batch mean from a batch sum by each term's
 value and gradient on a batch and on that batch repeated twice. Both are
 computed as Keras's `fit` computes them (`model(x, training=True)`, the
-model's own `compute_loss(..., training=True)`), in a graph pruned to the
+model's own `compute_loss(..., training=True)`; `evaluate`'s with
+`training=False` when it is the first call), in a graph pruned to the
 ops the terms and their gradients need (`tf.compat.v1.wrap_function`, which
 adds no automatic control dependencies, then `prune`): a metric updated in
 `compute_loss`, the per-output loss trackers, BatchNormalization's moving
@@ -66,13 +67,13 @@ def _flat_gradient(tape, term, variables):
     return tf.concat(flat, 0) if flat else tf.zeros([0], tf.float32)
 
 
-def _graph_terms(model, x, y, sample_weight):
+def _graph_terms(model, training, x, y, sample_weight):
     """The terms, traced: [compiled, *extras], {output: term}, gradients."""
     variables = list(model.trainable_variables)
     with tf.GradientTape(persistent=True) as tape:
-        y_pred = model(x, training=True)
+        y_pred = model(x, training=training)
         total, values = call_compute_loss(model, x, y, y_pred,
-                                          sample_weight, True)
+                                          sample_weight, training)
         extras = [_scalar(e) for e in model.losses]
         compiled = _scalar(total) - tf.add_n([tf.zeros(())] + extras)
         outputs = {i: _scalar(v) for i, v in values}
@@ -82,7 +83,7 @@ def _graph_terms(model, x, y, sample_weight):
              for i, v in outputs.items()})
 
 
-def _pruned(model, batch, repeat):
+def _pruned(model, batch, repeat, training):
     """`batch`'s terms as a function of its leaves, pruned to their ops."""
     leaves = tf.nest.flatten(batch, expand_composites=True)
     present = [i for i, t in enumerate(leaves) if t is not None]
@@ -97,7 +98,7 @@ def _pruned(model, batch, repeat):
         packed = tf.nest.pack_sequence_as(batch, full,
                                           expand_composites=True)
         with _tiled_draws(rows // 2 if repeat else None):
-            return _graph_terms(model, *packed)
+            return _graph_terms(model, training, *packed)
 
     wrapped = tf.compat.v1.wrap_function(terms, specs)
     fetches = tf.nest.pack_sequence_as(
@@ -119,8 +120,11 @@ def _numpy(scalars, outputs):
         i: (float(v), np.asarray(g)) for i, (v, g) in outputs.items()})
 
 
-def evaluate(model, batch):
-    """`Terms` of `batch` (`(x, y, sample_weight)`) and of it twice."""
+def evaluate(model, batch, training=True):
+    """`Terms` of `batch` (`(x, y, sample_weight)`) and of it twice.
+
+    `training`: as `fit` (True) or `evaluate` (False) runs the model.
+    """
     batch = tf.nest.map_structure(
         lambda t: t if t is None or isinstance(
             t, (tf.SparseTensor, tf.RaggedTensor)) else tf.convert_to_tensor(t),
@@ -129,7 +133,7 @@ def evaluate(model, batch):
         lambda t: None if t is None else _slicing.twice(t), batch)
     out = []
     for data, repeat in ((batch, False), (doubled, True)):
-        call, leaves = _pruned(model, data, repeat)
+        call, leaves = _pruned(model, data, repeat, training)
         out.append(_numpy(*call(*leaves)))
     return tuple(out)
 

@@ -61,12 +61,15 @@ class Reductions:
     override). `extras`: one kind per term of `model.losses`.
     """
 
-    def __init__(self, compiled=MEAN, extras=(), outputs=None, logged=None):
+    def __init__(self, compiled=MEAN, extras=(), outputs=None, logged=None,
+                 training=True):
         self.compiled = compiled
         self.extras = tuple(extras)
         self.outputs = None if outputs is None else tuple(outputs)
         # Each output's kind, for its logged `<name>_loss`.
         self.logged = self.outputs if logged is None else tuple(logged)
+        # Classified on a training pass (`fit`) or an inference one.
+        self.training = training
 
     @property
     def all_means(self):
@@ -201,17 +204,24 @@ def _static_kind(loss):
     return SUM if loss.reduction == "sum" else MEAN
 
 
-def probe(model, batch):
+def probe(model, batch, training=True):
     """Classifies `model`'s loss terms on `batch` (`(x, y, sample_weight)`).
 
     `batch` holds real rows (the first batch of the first step): on a
     batch of zeros most terms are 0 and decide nothing. Nothing the model
-    holds changes (`_loss_terms`).
+    holds changes (`_loss_terms`). `training`: as the call that probes
+    (`fit`: True; `evaluate`: False) runs the model.
     """
+    reductions = _probe(model, batch, training)
+    reductions.training = training
+    return reductions
+
+
+def _probe(model, batch, training):
     x, _, _ = batch
     if x is None:
         return Reductions()
-    once, twice = _loss_terms.evaluate(model, batch)
+    once, twice = _loss_terms.evaluate(model, batch, training)
     extras = _extra_kinds(model, once.extras, twice.extras)
     if not _own_compute_loss(model) and _compat.flat_losses(model) is None:
         return Reductions(MEAN, extras)  # no compiled loss: `add_loss` only

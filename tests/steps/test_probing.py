@@ -406,3 +406,64 @@ def test_every_reduction_with_dropout_weights_and_add_loss_terms(reduction):
     assert mirrored._reductions.extras == ("mean", "sum", "mean", "sum")
     assert max_diff(single.get_weights(), mirrored.get_weights()) < 1e-5
     _assert_same_logs(expected, logs)
+
+
+class _Flags(keras.Sequential):
+    """Records each `training` flag `compute_loss` is traced with."""
+
+    seen = None
+
+    def compute_loss(self, x=None, y=None, y_pred=None, sample_weight=None,
+                     training=True):
+        from keras.src.backend.common.symbolic_scope import in_symbolic_scope
+        if not in_symbolic_scope():
+            type(self).seen.add(bool(training))
+        return super().compute_loss(x, y, y_pred, sample_weight, training)
+
+
+@pytest.mark.parametrize("method", ["fit", "evaluate"])
+def test_compute_loss_sees_only_the_flags_keras_gives(method, monkeypatch):
+    x, y = _data(45)
+    ds = tf.data.Dataset.from_tensor_slices((x, y)).batch(14)
+
+    def make():
+        keras.utils.set_random_seed(0)
+        model = _Flags([keras.Input((6,)), keras.layers.Dense(2)],
+                       name="flags")
+        model.compile(optimizer=keras.optimizers.SGD(0.01), loss="mse")
+        return model
+
+    seen = []
+    for wrap in (False, True):
+        monkeypatch.setattr(_Flags, "seen", set())
+        model = keras_mirror.MirroredModel(make()) if wrap else make()
+        getattr(model, method)(ds, verbose=0)
+        seen.append(_Flags.seen)
+    assert seen[0] == {method == "fit"}
+    assert seen[1] == seen[0]
+
+
+def test_evaluate_then_fit_classifies_a_training_only_term_again():
+    """`evaluate` classifies on an inference pass, where a term added in
+    training only is absent: the first training call classifies again."""
+    def make():
+        keras.utils.set_random_seed(0)
+        model = keras.Sequential([
+            keras.Input((6,)), keras.layers.Dense(8, activation="tanh"),
+            _Penalty(keras.ops.sum, training_only=True),
+            keras.layers.Dense(2)])
+        model.compile(optimizer=keras.optimizers.SGD(0.01), loss="mse")
+        return model
+
+    x, y = _data(45)
+    ds = tf.data.Dataset.from_tensor_slices((x, y)).batch(14)
+    single = make()
+    mirrored = keras_mirror.MirroredModel(make())
+    np.testing.assert_allclose(mirrored.evaluate(ds, verbose=0),
+                               single.evaluate(ds, verbose=0), rtol=1e-5)
+    assert mirrored._reductions.extras == ()
+    expected = single.fit(ds, epochs=2, verbose=0).history
+    logs = mirrored.fit(ds, epochs=2, verbose=0).history
+    assert mirrored._reductions.extras == ("sum",)
+    assert max_diff(single.get_weights(), mirrored.get_weights()) < 1e-5
+    _assert_same_logs(expected, logs)
