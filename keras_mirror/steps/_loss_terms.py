@@ -58,8 +58,8 @@ def _scalar(t):
 
 
 def _flat_gradient(tape, term, variables):
-    # A variable the term does not reach has gradient 0 (None here): the
-    # same zeros on both batches, left out.
+    # A variable the term does not reach (None here) has gradient 0: zeros
+    # on both batches, which decide nothing. Sparse gradients are densified.
     grads = tape.gradient(term, variables)
     flat = [tf.reshape(tf.cast(tf.convert_to_tensor(g), tf.float32), [-1])
             if g is not None else tf.zeros([tf.size(v.value)], tf.float32)
