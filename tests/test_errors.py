@@ -89,16 +89,6 @@ class _RootSumSquare(keras.losses.Loss):
         return keras.ops.sqrt(keras.ops.sum(keras.ops.square(y_true - y_pred)))
 
 
-class _ZeroSum(keras.losses.Loss):
-    """0 on the targets `Y` (ones), whatever the predictions."""
-
-    def __init__(self):
-        super().__init__(name="zero_sum")
-
-    def call(self, y_true, y_pred):
-        return keras.ops.sum((1.0 - y_true) * y_pred)
-
-
 class _RootAddLoss(keras.layers.Layer):
     def call(self, x):
         self.add_loss(keras.ops.sqrt(keras.ops.sum(keras.ops.square(x))))
@@ -286,13 +276,6 @@ CASES = {
         errors.LossReductionError,
         r"The loss of output 'root_sum_square' is neither .*Received: "
         r"loss=root_sum_square for output 'root_sum_square'"),
-    "loss_undecidable": Case(
-        "loss", "a Loss that is 0 on the first batch",
-        lambda cpus: _fit(cpus, X, Y, batch_size=4,
-                          mirrored_kwargs={"loss": _ZeroSum()}),
-        errors.LossReductionError,
-        r"The loss of output 'zero_sum' is undecidable: it is 0 or not "
-        r"finite .*Received: loss=zero_sum for output 'zero_sum'"),
     "add_loss_neither_sum_nor_mean": Case(
         "add_loss", "add_loss(sqrt(batch sum)) in a layer",
         lambda cpus: _fit(cpus, X, Y, batch_size=4,

@@ -28,19 +28,28 @@ from keras_mirror.steps import _reductions
 from keras_mirror.wrapper import _validate
 
 
-def needs_probe(mirrored):
-    """Whether the wrapper's loss terms are still to be classified."""
-    return (not mirrored._custom_step
-            and getattr(mirrored, "_reductions", None) is None
-            and getattr(mirrored._inner, "compiled", False))
+def needs_probe(mirrored, training=True):
+    """Whether the wrapper's loss terms are still to be classified for a
+    training (`fit`) or inference (`evaluate`) call.
+
+    Terms classified by `evaluate` (an inference pass, as Keras runs it)
+    are classified again by the first training call: a layer may add a
+    loss in training only.
+    """
+    if mirrored._custom_step or not getattr(mirrored._inner, "compiled",
+                                            False):
+        return False
+    reductions = getattr(mirrored, "_reductions", None)
+    return reductions is None or (training and not reductions.training)
 
 
-def classify(mirrored, element):
+def classify(mirrored, element, training=True):
     """Sets `mirrored._reductions` from one element of the input."""
     if isinstance(element, dict) and set(element) == {_worker_input._MARK}:
         element = element[_worker_input._MARK]  # this worker's rows
     batch = keras.utils.unpack_x_y_sample_weight(element)
-    mirrored._reductions = _reductions.probe(mirrored._inner, batch)
+    mirrored._reductions = _reductions.probe(mirrored._inner, batch,
+                                             training)
 
 
 def _steps(mirrored):
@@ -74,21 +83,22 @@ def _replay(mirrored, first, iterator):
         generate, output_signature=iterator.element_spec))
 
 
-def first_call(mirrored, function):
-    """Wraps a Keras train or test `function` (see the module docstring)."""
+def first_call(mirrored, function, training=True):
+    """Wraps a Keras train (`training`) or test `function` (see the module
+    docstring)."""
     if function is None or getattr(function, "_probes_first_batch", False):
         return function
 
     @functools.wraps(function)
     def call(iterator):
-        if not needs_probe(mirrored):
+        if not needs_probe(mirrored, training):
             return function(iterator)
         try:
             first = next(iterator)
         except (StopIteration, tf.errors.OutOfRangeError):
             # Not read ahead by `fit`'s checks (`_validate._check_dataset`).
             raise _validate.empty_dataset(iterator) from None
-        classify(mirrored, first)
+        classify(mirrored, first, training)
         return function(_replay(mirrored, first, iterator))
 
     call._probes_first_batch = True

@@ -8,37 +8,47 @@ global batch, `b_r / B`; a term that is a sum over the shard needs weight 1
 sum, or a layer's `add_loss(ops.sum(x) * 0.1)`, is no mean: weighting it as
 one would train differently from one device, silently.
 
-The terms, each classified on its own (`docs/exactness.md`):
+The terms, each classified on its own (`docs/exactness.md`), by its value
+and its gradient on the first real batch a step receives and on that batch
+repeated twice (`_loss_terms`: computed as `fit` computes them, with
+`training=True`, in a graph pruned to what they need, so that no metric,
+moving statistic or seed state is written): a mean keeps both, a sum
+doubles both. The nearer of the two wins, so float noise (a batch sum of
+normalised outputs, whose value is ~0 but whose gradient is not; float16
+rounding; a float16 sum that overflows on the doubled batch) decides
+nothing; a term farther from both than a quarter of its size is neither,
+and refused with an error naming it.
 
-- each output's compiled loss (its entry in Keras's `CompileLoss`): by its
-  value on the first real batch a step receives and on that batch repeated
-  twice (a mean keeps its value, a sum doubles). Where those values cannot
-  decide (0 both times, or not finite) a built-in Keras loss is classified
-  by its `reduction` attribute; anything else is refused, never taken for
-  a mean. Each output's logged `<name>_loss` follows its kind.
+- each output's compiled loss (its entry in Keras's `CompileLoss`). Where
+  the values cannot decide (0 with a 0 gradient, or not finite) a built-in
+  Keras loss is classified by its `reduction` attribute. Each output's
+  logged `<name>_loss` follows its kind.
 - a `compute_loss` override: the compiled term as a whole, the same way;
-- each `add_loss` term of the forward pass: the same way;
+- each `add_loss` term of the forward pass (activity regularisers
+  included): the same way;
 - weight regularisation: statically, counted once.
+
+A term that is 0 with a 0 gradient (or not finite) on the first batch, and
+has no `reduction` to go by, is weighted as a batch mean, with a warning
+naming it: never refused for being 0.
 
 The probe (`probe`) runs on one device, on the first batch of the first
 train or test call (`_probing`), so that it reads nothing the step would
 not read.
 """
 
-import inspect
-import math
 import warnings
 
 import keras
+import numpy as np
 import tensorflow as tf
 
 from keras_mirror import _compat
 from keras_mirror import errors
-from keras_mirror.steps import _slicing
+from keras_mirror.steps import _loss_terms
 from keras_mirror.steps import arithmetic
 
 MEAN, SUM = "mean", "sum"
-_RTOL = 1e-4
 # Set on the loss `compute_loss` returns: each output's weighted term.
 _OUTPUT_TERMS = "_keras_mirror_output_terms"
 
@@ -51,12 +61,15 @@ class Reductions:
     override). `extras`: one kind per term of `model.losses`.
     """
 
-    def __init__(self, compiled=MEAN, extras=(), outputs=None, logged=None):
+    def __init__(self, compiled=MEAN, extras=(), outputs=None, logged=None,
+                 training=True):
         self.compiled = compiled
         self.extras = tuple(extras)
         self.outputs = None if outputs is None else tuple(outputs)
         # Each output's kind, for its logged `<name>_loss`.
         self.logged = self.outputs if logged is None else tuple(logged)
+        # Classified on a training pass (`fit`) or an inference one.
+        self.training = training
 
     @property
     def all_means(self):
@@ -135,26 +148,14 @@ def _loss_weight(entry):
     return 1.0 if weight is None else weight
 
 
-def _call_compute_loss(model, x, y, y_pred, sample_weight, training):
-    """(loss, [(output index, unweighted value)]) of `model.compute_loss`."""
-    kwargs = dict(x=x, y=y, y_pred=y_pred, sample_weight=sample_weight)
-    if "training" in inspect.signature(model.compute_loss).parameters:
-        kwargs["training"] = training
-    values = []
-    with _compat.reporting_flat_losses(
-            model, lambda i, v: values.append((i, v))):
-        loss = model.compute_loss(**kwargs)
-    return loss, values
-
-
 def compute_loss(model, x, y, y_pred, sample_weight, training):
     """The model's own `compute_loss` (an override too), as Keras calls it.
 
     As float32; it carries each compiled output's weighted term, which
     `Reductions.sum_terms` reads.
     """
-    loss, values = _call_compute_loss(model, x, y, y_pred, sample_weight,
-                                      training)
+    loss, values = _loss_terms.call_compute_loss(model, x, y, y_pred,
+                                                 sample_weight, training)
     if loss is None:
         return loss
     loss = tf.cast(loss, tf.float32)
@@ -167,86 +168,33 @@ def compute_loss(model, x, y, y_pred, sample_weight, training):
 
 # -- the probe -----------------------------------------------------------------
 
-
-def _twice(structure):
-    return tf.nest.map_structure(
-        lambda t: None if t is None else _slicing.twice(t), structure)
-
-
-def _open_batch(once, twice):
-    """Specs that take both `once` and `twice` (a batch, and it repeated):
-    their batch dimension left open, so that one trace serves both."""
-    def spec(a, b):
-        if a is None:
-            return None
-        return tf.type_spec_from_value(a).most_specific_common_supertype(
-            [tf.type_spec_from_value(b)])
-
-    return tf.nest.map_structure(spec, once, twice)
-
-
-def _terms_function(model):
-    """A `tf.function` of one batch's loss terms (a new one per probe):
-    (compiled total, [each `model.losses` term], {output: its term})."""
-
-    # Without AutoGraph, as Keras traces its own step (`one_step_on_data` is
-    # `do_not_convert`): the user's layers run unconverted in the probe too.
-    @tf.function(autograph=False)
-    def terms(x, y, sample_weight):
-        y_pred = model(x, training=False)
-        total, values = _call_compute_loss(model, x, y, y_pred,
-                                           sample_weight, False)
-        extras = [tf.reduce_sum(tf.cast(e, tf.float32)) for e in model.losses]
-        outputs = {i: tf.reduce_sum(tf.cast(v, tf.float32))
-                   for i, v in values}
-        return tf.reduce_sum(tf.cast(total, tf.float32)), extras, outputs
-
-    return terms
-
-
-def _evaluate_both(model, batch):
-    """The loss terms of `batch` and of it repeated twice (`_values`).
-
-    Traced in a `tf.function`, as the steps run (some layers, a
-    `custom_gradient` reading a variable, only run traced), once for both
-    with the batch dimension open; where the model's forward pass cannot
-    trace so (it reads its static batch size), once per batch.
-    """
-    batch = tf.nest.map_structure(
-        lambda t: t if t is None or isinstance(
-            t, (tf.SparseTensor, tf.RaggedTensor)) else tf.convert_to_tensor(t),
-        batch)
-    doubled = _twice(batch)
-    terms = _terms_function(model)
-    try:
-        call = terms.get_concrete_function(*_open_batch(batch, doubled))
-    except Exception:  # noqa: BLE001 - traced per batch below instead
-        call = terms
-    return _values(*call(*batch)), _values(*call(*doubled))
-
-
-def _values(total, extras, outputs):
-    """(compiled term, [model.losses terms], {output: value}) as floats."""
-    extras = [float(e) for e in extras]
-    return (float(total) - sum(extras), extras,
-            {i: float(v) for i, v in outputs.items()})
-
-
 UNDECIDED = "undecided"
+# A term's value and gradient on a batch repeated twice are its values on
+# the batch (a mean) or twice them (a sum), up to float rounding; anything
+# farther from both than a quarter of the term's own size is neither.
+_NEITHER = 0.25
 
 
 def _kind(once, twice):
-    """MEAN, SUM, None (neither) or UNDECIDED (0 twice, or not finite)."""
-    if not (math.isfinite(once) and math.isfinite(twice)):
+    """MEAN, SUM, None (neither) or UNDECIDED (0 or not finite throughout).
+
+    `once`, `twice`: a term's `(value, flat gradient)` on a batch and on it
+    repeated twice (`_loss_terms`). The nearer of the two hypotheses wins:
+    a batch sum of normalised outputs (value ~0, gradient not) or a
+    `mixed_float16` loss (rounded to 3 digits) is still a sum.
+    """
+    a = np.concatenate([[once[0]], once[1]]).astype(np.float64)
+    b = np.concatenate([[twice[0]], twice[1]]).astype(np.float64)
+    # A float16 sum of the doubled batch can overflow where its gradient
+    # does not: only what is finite on both batches is compared.
+    finite = np.isfinite(a) & np.isfinite(b)
+    a, b = a[finite], b[finite]
+    size = np.linalg.norm(a)
+    if size == 0.0:
         return UNDECIDED
-    scale = max(abs(once), abs(twice))
-    if scale == 0.0:
-        return UNDECIDED
-    if abs(twice - once) <= _RTOL * scale:
-        return MEAN
-    if abs(twice - 2 * once) <= _RTOL * scale:
-        return SUM
-    return None
+    to_mean, to_sum = np.linalg.norm(b - a), np.linalg.norm(b - 2 * a)
+    kind, miss = (MEAN, to_mean) if to_mean <= to_sum else (SUM, to_sum)
+    return kind if miss <= _NEITHER * size else None
 
 
 def _static_kind(loss):
@@ -256,95 +204,98 @@ def _static_kind(loss):
     return SUM if loss.reduction == "sum" else MEAN
 
 
-class _NoTracking:
-    """The per-output loss trackers do not count the probe's passes."""
-
-    def __init__(self, model):
-        self._trackers = _compat.output_loss_trackers(model)
-
-    def __enter__(self):
-        for tracker in self._trackers:
-            tracker.update_state = lambda *args, **kwargs: None
-
-    def __exit__(self, *exc):
-        for tracker in self._trackers:
-            tracker.__dict__.pop("update_state", None)
-
-
-def _kept_state(model):
-    return [(v, tf.identity(v.value)) for v in model.non_trainable_variables]
-
-
-def probe(model, batch):
+def probe(model, batch, training=True):
     """Classifies `model`'s loss terms on `batch` (`(x, y, sample_weight)`).
 
-    `batch` holds real rows (the first batch of the first step): a batch
-    of zeros would give 0 or NaN and decide nothing.
+    `batch` holds real rows (the first batch of the first step): on a
+    batch of zeros most terms are 0 and decide nothing. Nothing the model
+    holds changes (`_loss_terms`). `training`: as the call that probes
+    (`fit`: True; `evaluate`: False) runs the model.
     """
-    x, y, sample_weight = batch
+    reductions = _probe(model, batch, training)
+    reductions.training = training
+    return reductions
+
+
+def _probe(model, batch, training):
+    x, _, _ = batch
     if x is None:
         return Reductions()
-    state = _kept_state(model)
-    with _NoTracking(model):
-        once, twice = _evaluate_both(model, (x, y, sample_weight))
-    for v, value in state:
-        v.assign(value)
-    extras = _extra_kinds(model, once[1], twice[1])
+    once, twice = _loss_terms.evaluate(model, batch, training)
+    extras = _extra_kinds(model, once.extras, twice.extras)
     if not _own_compute_loss(model) and _compat.flat_losses(model) is None:
         return Reductions(MEAN, extras)  # no compiled loss: `add_loss` only
     if _own_compute_loss(model):
         try:
-            logged = _output_kinds(model, once[2], twice[2])
+            logged = _output_kinds(model, once.outputs, twice.outputs)
         except errors.LossReductionError:
             logged = None  # the override's own combination is what counts
-        return Reductions(_compiled_kind(model, once[0], twice[0], logged),
+        return Reductions(_compiled_kind(model, once.compiled,
+                                         twice.compiled, logged),
                           extras, logged=logged)
-    return Reductions(extras=extras,
-                      outputs=_output_kinds(model, once[2], twice[2]))
+    return Reductions(extras=extras, outputs=_output_kinds(
+        model, once.outputs, twice.outputs))
 
 
 def _own_compute_loss(model):
     return type(model).compute_loss is not keras.Model.compute_loss
 
 
+_RULE = ("keras-mirror weights each replica's loss term by its kind: a "
+         "batch mean by the replica's share of the global batch, a batch "
+         "sum by 1. ")
+
+
 def _compiled_kind(model, once, twice, outputs=None):
     kind = _kind(once, twice)
     if kind == UNDECIDED and outputs and len(set(outputs)) == 1:
         kind = outputs[0]  # every output's loss is of one kind
-    if kind in (MEAN, SUM):
-        return kind
-    raise errors.LossReductionError(
-        "keras-mirror weights each replica's loss by its share of the "
-        "global batch when the loss is a batch mean, and by 1 when it is a "
-        f"batch sum; the compiled loss is {_why(kind, once, twice)}. Make "
-        "every loss a mean (Keras's default reduction) or every one a sum. "
-        f"Received: loss={_loss_name(model)}")
-
-
-def _why(kind, once, twice):
-    values = f"(on the first batch and on it repeated twice it went from " \
-             f"{once:.6g} to {twice:.6g})"
+    what, received = "The compiled loss", f"loss={_loss_name(model)}"
+    if kind == UNDECIDED:
+        return _undecided(what, once, twice, received)
     if kind is None:
-        return f"neither {values}"
-    return f"undecidable: it is 0 or not finite {values}"
+        raise errors.LossReductionError(
+            f"{_RULE}{what} is {_why(once, twice)}. Make every loss a mean "
+            f"(Keras's default reduction) or every one a sum. Received: "
+            f"{received}")
+    return kind
+
+
+def _why(once, twice):
+    return (f"neither (on the first batch and on it repeated twice it "
+            f"went from {once[0]:.6g} to {twice[0]:.6g})")
+
+
+def _undecided(what, once, twice, received):
+    """MEAN, with a warning naming the term that decided nothing."""
+    warnings.warn(
+        f"{_RULE}{what} and its gradient are 0 or not finite on the first "
+        f"batch (on it repeated twice it went from {once[0]:.6g} to "
+        f"{twice[0]:.6g}), which tells neither: it is weighted as a batch "
+        f"mean. Received: {received}", UserWarning, stacklevel=3)
+    return MEAN
+
+
+_NONE = (0.0, np.zeros([0]))
 
 
 def _output_kinds(model, once, twice):
     kinds = []
     for i, entry in enumerate(_compat.flat_losses(model) or ()):
-        a, b = once.get(i, 0.0), twice.get(i, 0.0)
+        a, b = once.get(i, _NONE), twice.get(i, _NONE)
         kind = _kind(a, b)
         if kind == UNDECIDED:
             kind = _static_kind(entry.loss) or UNDECIDED
         if kind not in (MEAN, SUM) and _loss_weight(entry) == 0:
             kind = MEAN  # weighted 0: its kind changes nothing
-        if kind not in (MEAN, SUM):
+        what = f"The loss of output {entry.name!r}"
+        received = f"loss={_name(entry.loss)} for output {entry.name!r}"
+        if kind == UNDECIDED:
+            kind = _undecided(what, a, b, received)
+        if kind is None:
             raise errors.LossReductionError(
-                "keras-mirror weights each output's loss by its kind: a "
-                "batch mean by the replica's share, a batch sum by 1. "
-                f"The loss of output {entry.name!r} is {_why(kind, a, b)}. "
-                "Make it a mean or a sum over the batch. Received: "
-                f"loss={_name(entry.loss)} for output {entry.name!r}")
+                f"{_RULE}{what} is {_why(a, b)}. Make it a mean or a sum "
+                f"over the batch. Received: {received}")
         kinds.append(kind)
     return kinds
 
@@ -358,13 +309,14 @@ def _extra_kinds(model, once, twice):
             kinds.append(MEAN)
             continue
         term = _kind(a, b)
-        if term not in (MEAN, SUM):
+        what = f"The term added by {names[i]}"
+        received = f"add_loss term {i} of {names[i]}"
+        if term == UNDECIDED:
+            term = _undecided(what, a, b, received)
+        if term is None:
             raise errors.LossReductionError(
-                "keras-mirror weights each `add_loss` term by its kind: a "
-                "batch mean by the replica's share, a batch sum by 1. The "
-                f"term added by {names[i]} is {_why(term, a, b)}. Make it "
-                "a mean or a sum over the batch. Received: "
-                f"add_loss term {i} of {names[i]}")
+                f"{_RULE}{what} is {_why(a, b)}. Make it a mean or a sum "
+                f"over the batch. Received: {received}")
         kinds.append(term)
     return kinds
 

@@ -67,7 +67,8 @@ class StepDispatch(strategy.ReplicaSteps):
         if self.test_function is not None and not force:
             return self.test_function
         super().make_test_function(force=force)
-        self.test_function = _probing.first_call(self, self.test_function)
+        self.test_function = _probing.first_call(self, self.test_function,
+                                                 training=False)
         return self.test_function
 
     def test_step(self, data):

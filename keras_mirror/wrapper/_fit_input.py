@@ -163,15 +163,15 @@ def capacity_of(dataset, first=None):
     return int(tf.shape(tf.nest.flatten(x)[0])[0])
 
 
-def _probe(mirrored, first):
+def _probe(mirrored, first, training=True):
     """Classifies the loss terms on the first element if it was read.
 
     Else the first train or test call does, on its own first batch
     (`steps/_probing.first_call`): either way nothing is read for it.
     """
-    if first.was_read and _probing.needs_probe(mirrored):
+    if first.was_read and _probing.needs_probe(mirrored, training):
         with mirrored._homes.mirrored():
-            _probing.classify(mirrored, first.read())
+            _probing.classify(mirrored, first.read(), training)
 
 
 def prepare_evaluate(mirrored, x, y, batch_size, kwargs):
@@ -183,7 +183,7 @@ def prepare_evaluate(mirrored, x, y, batch_size, kwargs):
     _validate.check_inputs(mirrored, x, y, sample_weight,
                            batch_size=batch_size, first=first)
     _compile.ensure_built(mirrored, x, y, sample_weight, first)
-    _probe(mirrored, first)
+    _probe(mirrored, first, training=False)
     replica_history.route_test_callbacks(mirrored, x, batch_size, kwargs)
     return x, batch_size
 

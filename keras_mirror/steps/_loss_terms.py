@@ -1,0 +1,206 @@
+"""A batch's loss terms and their gradients, with no side effects.
+
+`_reductions.probe` tells a batch mean from a batch sum by each term's
+value and gradient on a batch and on that batch repeated twice. Both are
+computed as Keras's `fit` computes them (`model(x, training=True)`, the
+model's own `compute_loss(..., training=True)`; `evaluate`'s with
+`training=False` when it is the first call), in a graph pruned to the
+ops the terms and their gradients need (`tf.compat.v1.wrap_function`, which
+adds no automatic control dependencies, then `prune`): a metric updated in
+`compute_loss`, the per-output loss trackers, BatchNormalization's moving
+statistics and the seed generators' states are read, never written. The
+user's Python code runs once per trace, as any tracing of a Keras step
+runs it.
+
+Random draws on the doubled batch repeat the batch's own (`_tiled_draws`):
+a Dropout mask of the doubled batch is the batch's mask twice, so that a
+sum exactly doubles and a mean keeps its value.
+"""
+
+import contextlib
+import inspect
+
+import numpy as np
+import tensorflow as tf
+
+from keras_mirror import _compat
+from keras_mirror.steps import _slicing
+
+
+class Terms:
+    """One batch's loss terms, each `(value, flat gradient)` in numpy.
+
+    `compiled`: the compiled loss (or `compute_loss` override) without the
+    `model.losses` terms; `extras`: each `model.losses` term; `outputs`:
+    `{output index: its compiled term}` (Keras's own `CompileLoss`).
+    """
+
+    def __init__(self, compiled, extras, outputs):
+        self.compiled = compiled
+        self.extras = list(extras)
+        self.outputs = dict(outputs)
+
+
+def call_compute_loss(model, x, y, y_pred, sample_weight, training):
+    """(loss, [(output index, unweighted value)]) of `model.compute_loss`."""
+    kwargs = dict(x=x, y=y, y_pred=y_pred, sample_weight=sample_weight)
+    if "training" in inspect.signature(model.compute_loss).parameters:
+        kwargs["training"] = training
+    values = []
+    with _compat.reporting_flat_losses(
+            model, lambda i, v: values.append((i, v))):
+        loss = model.compute_loss(**kwargs)
+    return loss, values
+
+
+def _scalar(t):
+    return tf.reduce_sum(tf.cast(t, tf.float32))
+
+
+def _flat_gradient(tape, term, variables):
+    # A variable the term does not reach (None here) has gradient 0: zeros
+    # on both batches, which decide nothing. Sparse gradients are densified.
+    grads = tape.gradient(term, variables)
+    flat = [tf.reshape(tf.cast(tf.convert_to_tensor(g), tf.float32), [-1])
+            if g is not None else tf.zeros([tf.size(v.value)], tf.float32)
+            for g, v in zip(grads, variables)]
+    return tf.concat(flat, 0) if flat else tf.zeros([0], tf.float32)
+
+
+def _graph_terms(model, training, x, y, sample_weight):
+    """The terms, traced: [compiled, *extras], {output: term}, gradients."""
+    variables = list(model.trainable_variables)
+    with tf.GradientTape(persistent=True) as tape:
+        y_pred = model(x, training=training)
+        total, values = call_compute_loss(model, x, y, y_pred,
+                                          sample_weight, training)
+        extras = [_scalar(e) for e in model.losses]
+        compiled = _scalar(total) - tf.add_n([tf.zeros(())] + extras)
+        outputs = {i: _scalar(v) for i, v in values}
+    scalars = [compiled] + extras
+    return ([(v, _flat_gradient(tape, v, variables)) for v in scalars],
+            {i: (v, _flat_gradient(tape, v, variables))
+             for i, v in outputs.items()})
+
+
+def _pruned(model, batch, repeat, training):
+    """`batch`'s terms as a function of its leaves, pruned to their ops."""
+    leaves = tf.nest.flatten(batch, expand_composites=True)
+    present = [i for i, t in enumerate(leaves) if t is not None]
+    specs = [tf.TensorSpec(leaves[i].shape, leaves[i].dtype)
+             for i in present]
+    rows = int(_rows(batch))
+
+    def terms(*flat):
+        full = [None] * len(leaves)
+        for i, t in zip(present, flat):
+            full[i] = t
+        packed = tf.nest.pack_sequence_as(batch, full,
+                                          expand_composites=True)
+        with _tiled_draws(rows // 2 if repeat else None):
+            return _graph_terms(model, training, *packed)
+
+    wrapped = tf.compat.v1.wrap_function(terms, specs)
+    fetches = tf.nest.pack_sequence_as(
+        wrapped.structured_outputs, wrapped.outputs)
+    return wrapped.prune(wrapped.inputs, fetches), [
+        leaves[i] for i in present]
+
+
+def _rows(batch):
+    leaf = next(t for t in tf.nest.flatten(batch) if t is not None)
+    if isinstance(leaf, tf.SparseTensor):
+        return leaf.dense_shape[0]
+    return leaf.shape[0] if leaf.shape[0] is not None else tf.shape(leaf)[0]
+
+
+def _numpy(scalars, outputs):
+    pairs = [(float(v), np.asarray(g)) for v, g in scalars]
+    return Terms(pairs[0], pairs[1:], {
+        i: (float(v), np.asarray(g)) for i, (v, g) in outputs.items()})
+
+
+def evaluate(model, batch, training=True):
+    """`Terms` of `batch` (`(x, y, sample_weight)`) and of it twice.
+
+    `training`: as `fit` (True) or `evaluate` (False) runs the model.
+    """
+    batch = tf.nest.map_structure(
+        lambda t: t if t is None or isinstance(
+            t, (tf.SparseTensor, tf.RaggedTensor)) else tf.convert_to_tensor(t),
+        batch)
+    doubled = tf.nest.map_structure(
+        lambda t: None if t is None else _slicing.twice(t), batch)
+    out = []
+    for data, repeat in ((batch, False), (doubled, True)):
+        call, leaves = _pruned(model, data, repeat, training)
+        out.append(_numpy(*call(*leaves)))
+    return tuple(out)
+
+
+# -- random draws on the doubled batch ----------------------------------------
+
+
+def _lead(shape):
+    if isinstance(shape, tf.TensorShape):
+        shape = shape.as_list()
+    if tf.is_tensor(shape):
+        value = tf.get_static_value(shape)
+        return None if value is None or len(value) == 0 else int(value[0])
+    if not isinstance(shape, (list, tuple)) or not shape:
+        return None
+    lead = tf.get_static_value(shape[0]) if tf.is_tensor(shape[0]) \
+        else shape[0]
+    return None if lead is None else int(lead)
+
+
+def _halved(shape):
+    if tf.is_tensor(shape):
+        value = tf.get_static_value(shape)
+        return [int(value[0]) // 2] + [int(d) for d in value[1:]]
+    shape = shape.as_list() if isinstance(shape, tf.TensorShape) else shape
+    return [_lead(shape) // 2] + list(shape[1:])
+
+
+def _tiling(original, rows):
+    def shaped(shape, *args, **kwargs):
+        if _lead(shape) != 2 * rows:
+            return original(shape, *args, **kwargs)
+        half = original(_halved(shape), *args, **kwargs)
+        return tf.concat([half, half], 0)
+
+    return shaped
+
+
+def _tiling_first_argument(original, rows):
+    """`dropout(inputs, ...)`, `categorical(logits, ...)`: by their rows."""
+    def by_rows(value, *args, **kwargs):
+        value = tf.convert_to_tensor(value)
+        if value.shape.rank is None or value.shape.rank == 0 or \
+                value.shape[0] != 2 * rows:
+            return original(value, *args, **kwargs)
+        half = original(value[:rows], *args, **kwargs)
+        return tf.concat([half, half], 0)
+
+    return by_rows
+
+
+@contextlib.contextmanager
+def _tiled_draws(rows):
+    """Within the block, a draw for `2 * rows` rows repeats one for `rows`.
+
+    The doubled batch's rows `i` and `rows + i` are equal, so they draw
+    equal numbers; the seed generators advance once per draw, as before.
+    `rows` None: draws are left as they are.
+    """
+    if rows is None:
+        yield
+        return
+    module = _compat.random_module()
+    by_rows = ("dropout", "categorical")
+    replacements = {
+        name: (_tiling_first_argument if name in by_rows else _tiling)(
+            getattr(module, name), rows)
+        for name in _compat.RANDOM_FUNCTIONS if name != "shuffle"}
+    with _compat.replaced(module, replacements):
+        yield
