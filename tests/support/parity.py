@@ -86,3 +86,43 @@ def error_of(call):
     except Exception as e:  # noqa: BLE001 - any class is compared
         return type(e), str(e)
     raise AssertionError("no exception was raised")
+
+
+class Pair:
+    """A plain model and the same model wrapped, shared by many calls.
+
+    Both are built by `build()` from one seed (and called once on `sample`
+    when given, for a subclassed model that builds on its first call);
+    `run(call)` puts both back on the initial weights (SGD keeps no other
+    state), makes the call on each from one seed and asserts the results
+    and weights equal. Built once per test module: the wrapper's steps are
+    traced once for all its calls.
+    """
+
+    def __init__(self, build, cpus, sample=None, **wrap_kwargs):
+        models = []
+        for _ in range(2):
+            keras.utils.set_random_seed(0)
+            model = build()
+            if sample is not None:
+                model(sample)
+            models.append(model)
+        self.plain = models[0]
+        self.mirrored = keras_mirror.MirroredModel(models[1], devices=cpus,
+                                                   **wrap_kwargs)
+        self._initial = self.plain.get_weights()
+
+    def _reset(self):
+        for model in (self.plain, self.mirrored.model):
+            model.set_weights(self._initial)
+            model.optimizer.iterations.assign(0)
+
+    def run(self, call, atol=ATOL):
+        """`call(model)` on both models; returns the two results."""
+        self._reset()
+        results = []
+        for model in (self.plain, self.mirrored):
+            keras.utils.set_random_seed(1)
+            results.append(call(model))
+        assert_same(self.plain, results[0], self.mirrored, results[1], atol)
+        return results
