@@ -124,8 +124,8 @@ def _pair(pairs, name, cpus):
 
 
 def _fit(**kwargs):
-    return lambda m: m.fit(X, Y, verbose=0, shuffle=False,
-                           **{"batch_size": 5, **kwargs})
+    kwargs = {"batch_size": 5, "verbose": 0, **kwargs}
+    return lambda m: m.fit(X, Y, shuffle=False, **kwargs)
 
 
 def _dataset(x=X, y=Y, batch=5):
@@ -217,7 +217,7 @@ def _generator(with_y=True, forever=False):
     while True:
         for start in range(0, ROWS, 5):
             rows = slice(start, start + 5)
-            yield (X[rows], Y[rows]) if with_y else X[rows]
+            yield (X[rows], Y[rows]) if with_y else (X[rows],)
         if not forever:
             return
 
