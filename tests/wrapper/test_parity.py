@@ -10,8 +10,9 @@ the final weights must agree within 1e-5 (`support.parity`). Each model
 pair is built once per module and put back on its initial weights before
 each call, so that the wrapper's steps are traced once per pair.
 
-Row order: every call passes `shuffle=False` (or its input is not
-shuffled by Keras); `shuffle=True` of arrays is issue #37's.
+Row order: every call but `shuffle_true` passes `shuffle=False` (or its
+input is not shuffled by Keras); `shuffle_true` checks that one seed
+shuffles arrays into the same batches on both (issue #37 owns the rest).
 """
 
 import keras
@@ -149,6 +150,8 @@ FIT = {
     "class_weight": _fit(epochs=2, class_weight=CLASS_WEIGHT),
     "sample_weight": _fit(epochs=2, sample_weight=W),
     "shuffle_false": _fit(epochs=2),
+    "shuffle_true": lambda m: m.fit(X, Y, batch_size=5, epochs=2,
+                                    shuffle=True, verbose=0),
     "verbose_1": _fit(verbose=1),
     "verbose_2": _fit(verbose=2),
 }
