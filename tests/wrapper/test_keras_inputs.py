@@ -15,6 +15,8 @@ import tensorflow as tf
 from keras import layers
 from support import parity
 
+import keras_mirror
+
 RNG = np.random.default_rng(3)
 
 
@@ -195,8 +197,6 @@ def test_per_output_sample_weights_as_a_list(cpus):
 def test_class_weights_of_a_dict_as_sample_weight_are_still_refused(cpus):
     model = keras.Sequential([keras.Input((3,)), layers.Dense(1)])
     model.compile(optimizer="sgd", loss="mse")
-    import keras_mirror
-
     mirrored = keras_mirror.MirroredModel(model, devices=cpus)
     with pytest.raises(ValueError, match=r"Received: sample_weight=\{0: "):
         mirrored.fit(X3, YA, sample_weight={0: 1.0, 1: 2.0}, verbose=0)
@@ -279,8 +279,6 @@ METHODS = {
 @pytest.mark.parametrize("form, missing", [("dict", "a"), ("list", "b")])
 def test_a_required_input_given_none_gets_keras_error(cpus, method, form,
                                                       missing):
-    import keras_mirror
-
     arrays = {"a": _array(4, 2), "b": _array(4, 2)}
     arrays[missing] = None
     x = arrays if form == "dict" else [arrays["a"], arrays["b"]]
