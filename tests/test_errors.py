@@ -235,10 +235,6 @@ def _in_scope(cpus):
         keras_mirror.MirroredModel(_seq(), cpus)
 
 
-def _ragged_x():
-    return tf.ragged.constant([[1.0, 2.0, 3.0]] * 7 + [[1.0, 2.0]])
-
-
 def _make_dir_and_save(cpus):
     os.mkdir("folder.keras")
     _mirrored(cpus).save("folder.keras")
@@ -490,13 +486,6 @@ CASES = {
         ValueError, r"`validation_data` must have the per-replica batch "
         r"size of `x` \(8 rows\).*Received: validation_data with batches "
         r"of 4 rows"),
-    "no_trainable_weights": Case(
-        "model", "a model without trainable weights",
-        lambda cpus: _mirrored(cpus, keras.Sequential(
-            [keras.Input((3,)), keras.layers.Activation("relu")])).fit(
-                X, np.ones((8, 3)), verbose=0),
-        ValueError, r"`model` must have trainable weights for `fit`.*"
-        r"Received: model='.*' with 0 trainable weights"),
     "split_plan": Case(
         "batch_size", "-1",
         lambda cpus: keras_mirror.MirroredModel(_seq(), cpus).split_plan(-1),
@@ -617,11 +606,6 @@ CASES = {
         lambda cpus: _fit(cpus, X, np.array(["cat"] * 8)),
         ValueError, r"`y` must hold numbers, which a loss can compare.*"
         r"Received: y with dtype=<U3"),
-    "x_ragged": Case(
-        "x", "a tf.RaggedTensor",
-        lambda cpus: _fit(cpus, _ragged_x(), Y),
-        ValueError, r"`x` must not hold a `tf.RaggedTensor`.*"
-        r"Received: x=tf.RaggedTensor with shape \(8, None\)"),
     "evaluate_input_shape": Case(
         "x", "shape (8, 4) in `evaluate` for an input of shape (None, 3)",
         lambda cpus: _mirrored(cpus).evaluate(np.ones((8, 4)), Y, verbose=0),

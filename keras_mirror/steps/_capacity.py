@@ -22,7 +22,8 @@ def set_capacity(mirrored, capacity):
 def on_batch(mirrored, x):
     """One global batch given to `*_on_batch`: `N` replica batches."""
     if mirrored.batch_mode == "per_replica":
-        rows = int(tf.nest.flatten(x)[0].shape[0])
+        rows = int(next(t for t in tf.nest.flatten(x)
+                        if t is not None).shape[0])
         set_capacity(mirrored, -(-rows // mirrored.num_replicas))
     else:
         set_capacity(mirrored, None)

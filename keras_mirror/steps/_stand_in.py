@@ -57,6 +57,8 @@ def shard(t, start, run):
     Its row count stays dynamic (`_slicing.rows`): a shard whose row count
     is static would let Keras skip a loss reduction on it.
     """
+    if t is None:  # an optional input given None, as on one device
+        return None
     return _slicing.rows(t, start, run)
 
 

@@ -112,7 +112,8 @@ def step_start(data, keys):
     start = tf.timestamp()
     with tf.control_dependencies([start]):
         # The step's input is sliced after the clock is read.
-        return start, tf.nest.map_structure(tf.identity, data)
+        return start, tf.nest.map_structure(
+            lambda t: None if t is None else tf.identity(t), data)
 
 
 def norm_and_nonfinite(grads, shard_loss):

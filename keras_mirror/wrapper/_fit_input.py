@@ -156,11 +156,13 @@ def capacity_of(dataset, first=None):
     first = first if first is not None else _inputs.First(dataset)
     if isinstance(dataset, tf.data.Dataset):
         spec = keras.utils.unpack_x_y_sample_weight(dataset.element_spec)[0]
-        rows = tf.nest.flatten(spec)[0].shape[:1].as_list()
+        rows = next(s for s in tf.nest.flatten(spec)
+                    if s is not None).shape[:1].as_list()
         if rows and rows[0] is not None:  # batched with drop_remainder=True
             return rows[0]
     x = keras.utils.unpack_x_y_sample_weight(first.read())[0]
-    return int(tf.shape(tf.nest.flatten(x)[0])[0])
+    return int(tf.shape(next(t for t in tf.nest.flatten(x)
+                             if t is not None))[0])
 
 
 def _probe(mirrored, first, training=True):

@@ -20,12 +20,18 @@ from keras_mirror.steps import _slicing
 
 
 def is_array(x):
-    return all(isinstance(t, (np.ndarray, tf.Tensor, tf.SparseTensor))
+    return all(isinstance(t, (np.ndarray, tf.Tensor, tf.SparseTensor,
+                              tf.RaggedTensor))
                for t in tf.nest.flatten(x) if t is not None) and x is not None
 
 
+def first_leaf(x):
+    """`x`'s first leaf that is not None (None: an optional input)."""
+    return next(t for t in tf.nest.flatten(x) if t is not None)
+
+
 def num_rows(x):
-    return int(tf.nest.flatten(x)[0].shape[0])
+    return int(first_leaf(x).shape[0])
 
 
 def _zeros_like_spec(spec):
@@ -230,9 +236,19 @@ def _ranks(element):
             [len(getattr(t, "shape", ())) for t in tf.nest.flatten(element)])
 
 
-def _fits(shape, expected):
+def fits(shape, expected):
+    """Whether inputs of `shape` fit a model input of shape `expected`
+    (None: any size), after the rank adjustment a Functional model makes
+    (`Functional._adjust_input_rank`): a trailing axis of size 1 is
+    dropped, or added where the input declares one."""
+    shape, expected = tuple(shape), tuple(expected)
+    if len(shape) == len(expected) + 1 and shape[-1] == 1:
+        shape = shape[:-1]
+    elif len(shape) == len(expected) - 1 and expected[-1] == 1:
+        expected = expected[:-1]
     return len(shape) == len(expected) and all(
-        e is None or s == e for s, e in zip(shape[1:], expected[1:]))
+        e is None or s is None or int(s) == int(e)
+        for s, e in zip(shape[1:], expected[1:]))
 
 
 def _same_shapes(first, items, holder):
@@ -251,7 +267,7 @@ def _same_shapes(first, items, holder):
         inputs = tf.nest.flatten(
             keras.utils.unpack_x_y_sample_weight(element)[0])
         for leaf, shape in zip(inputs, holder.get("x") or ()):
-            if not _fits(tuple(leaf.shape), shape):
+            if leaf is not None and not fits(leaf.shape, shape):
                 raise ValueError(
                     f"Every batch of the generator `x` must have the shape "
                     f"{shape} (None: any size) of the model's input: batch "

@@ -20,12 +20,19 @@ def _shape(value):
 
 
 def check_sample_weight_type(sample_weight):
-    """`sample_weight` must be arrays (or None), not a string or a dict."""
+    """`sample_weight` must be arrays (or None), not a string or a dict of
+    class weights: one array, or (a multi-output model's per-output
+    weights, as Keras takes them) a list or dict of arrays or None."""
     if sample_weight is None or _shape(sample_weight) is not None:
+        return
+    if isinstance(sample_weight, (list, tuple, dict)) and all(
+            leaf is None or _shape(leaf) is not None
+            for leaf in keras.tree.flatten(sample_weight)):
         return
     raise ValueError(
         "`sample_weight` must be an array of weights, one per row (or one "
-        "per element of `y`), or None; use `class_weight` for weights by "
+        "per element of `y`), a list or dict of such arrays (one per "
+        "output), or None; use `class_weight` for weights by "
         f"class. Received: sample_weight={sample_weight!r}")
 
 

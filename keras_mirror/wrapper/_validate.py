@@ -47,7 +47,7 @@ def _check_lengths(x, y, sample_weight):
     if "x" in rows and rows["x"] == 0:
         raise ValueError(
             "`x` must hold at least one example. "
-            f"Received: x with shape {tuple(tf.nest.flatten(x)[0].shape)}"
+            f"Received: x with shape {tuple(_inputs.first_leaf(x).shape)}"
         )
     for name in ("y", "sample_weight"):
         if name in rows and "x" in rows and rows[name] != rows["x"]:
@@ -140,19 +140,11 @@ def _expected_inputs(model):
         return None
 
 
-def _shape_matches(shape, expected):
-    shape, expected = tuple(shape), tuple(expected)
-    if len(shape) != len(expected):
-        return False
-    return all(e is None or s is None or int(s) == int(e)
-               for s, e in zip(shape[1:], expected[1:]))
-
-
 def _check_one_shape(name, value, expected):
     shape = getattr(value, "shape", None)
     if shape is None or not hasattr(expected, "shape"):
         return
-    if not _shape_matches(shape, expected.shape):
+    if not _inputs.fits(shape, expected.shape):
         raise ValueError(
             f"`{name}` must have the shape {tuple(expected.shape)} "
             "(None: any size) of the model's input. "
@@ -215,15 +207,22 @@ def check_fit_inputs(mirrored, x, y, batch_size, steps_per_epoch,
     warn_idle_replicas(mirrored, x, batch_size)
 
 
+def warn_nothing_to_train(mirrored):
+    """Keras's own warning for a model without trainable weights.
+
+    Keras's `train_step` warns so and runs the step without an update
+    (its metrics and random draws still run); the replicas' step does the
+    same. A model's own `train_step` warns itself, if it does.
+    """
+    if not mirrored._custom_step and not mirrored._inner.trainable_weights:
+        warnings.warn("The model does not have any trainable weights.")
+
+
 def check_built_model(mirrored, x, y):
-    """Validates what needs a built model: trainable weights, the loss."""
+    """Validates what needs a built model: the labels for the loss; warns
+    as Keras does when there is nothing to train."""
     inner = mirrored._inner
-    if not inner.trainable_weights:
-        raise ValueError(
-            "`model` must have trainable weights for `fit`: there is "
-            "nothing to train. Received: model="
-            f"{mirrored.model.name!r} with 0 trainable weights"
-        )
+    warn_nothing_to_train(mirrored)
     if _inputs.is_array(x):  # the labels' range needs the built outputs
         _targets.check_sparse_labels(inner, y)
 
@@ -231,20 +230,13 @@ def check_built_model(mirrored, x, y):
 # -- issue 16: more inputs, checked before the first step -----------------
 
 def _check_values(name, value):
-    """`value` (x or y) must be numbers: no string, ragged or object data."""
+    """`value` (x or y) must be numbers: no string or object data."""
     if isinstance(value, (str, bytes)):
         raise ValueError(
             f"`{name}` must be arrays, a `tf.data.Dataset`, a "
             "`keras.utils.PyDataset` or a generator, not a string. "
             f"Received: {name}={_short(value)}")
     for leaf in tf.nest.flatten(value):
-        if isinstance(leaf, tf.RaggedTensor):
-            raise ValueError(
-                f"`{name}` must not hold a `tf.RaggedTensor`: keras-mirror "
-                "splits each global batch by rows into dense shards. Pad it "
-                "(`ragged.to_tensor()`) or feed a `tf.data.Dataset` of "
-                f"dense batches. Received: {name}=tf.RaggedTensor with "
-                f"shape {tuple(leaf.shape)}")
         dtype = getattr(leaf, "dtype", None)
         if isinstance(leaf, np.ndarray) and dtype.kind == "O" and not all(
                 isinstance(v, (str, bytes)) for v in leaf.ravel()):
