@@ -12,6 +12,7 @@ the step passes them, as Keras's first `apply` would build on.
 
 import contextlib
 
+import keras
 import tensorflow as tf
 
 
@@ -31,13 +32,9 @@ def applied_variables(model, optimizers, batch):
 
 
 def _data(batch):
-    """The `data` argument of `train_step` for a `(x, y, sample_weight)`."""
+    """The `data` argument of `train_step`, packed as Keras packs it."""
     x, y, sample_weight = (tuple(batch) + (None, None))[:3]
-    if y is None:
-        return (x,)
-    if sample_weight is None:
-        return (x, y)
-    return (x, y, sample_weight)
+    return keras.utils.pack_x_y_sample_weight(x, y, sample_weight)
 
 
 @contextlib.contextmanager
