@@ -20,6 +20,7 @@ from keras_mirror.wrapper import _arguments
 from keras_mirror.wrapper import _compile
 from keras_mirror.wrapper import _files
 from keras_mirror.wrapper import _fit_input
+from keras_mirror.wrapper import _model_methods
 from keras_mirror.wrapper import _on_batch
 from keras_mirror.wrapper import _rebuild
 from keras_mirror.wrapper import _user_model
@@ -216,6 +217,7 @@ class MirroredModel(ReplicaAttributes, _user_model.UserModelState,
     # -- Keras training API ------------------------------------------------
 
     @_rebuild.outside_other_strategies
+    @_model_methods.through_model
     def fit(self, x=None, y=None, batch_size=None, epochs=1, verbose="auto",
             callbacks=None, validation_data=None, steps_per_epoch=None,
             **kwargs):
@@ -238,6 +240,7 @@ class MirroredModel(ReplicaAttributes, _user_model.UserModelState,
                 **prepared.keras_kwargs())
 
     @_rebuild.outside_other_strategies
+    @_model_methods.through_model
     def evaluate(self, x=None, y=None, batch_size=None, **kwargs):
         """Evaluates as `keras.Model.evaluate`, with exact global metrics."""
         _compile.follow(self)
@@ -249,6 +252,7 @@ class MirroredModel(ReplicaAttributes, _user_model.UserModelState,
             return super().evaluate(x, y, batch_size=batch_size, **kwargs)
 
     @_rebuild.outside_other_strategies
+    @_model_methods.through_model
     def predict(self, x, batch_size=None, **kwargs):
         """Predicts as `keras.Model.predict`; rows keep the input order."""
         _compile.follow(self)
@@ -258,6 +262,7 @@ class MirroredModel(ReplicaAttributes, _user_model.UserModelState,
             return super().predict(x, batch_size=batch_size, **kwargs)
 
     @_rebuild.outside_other_strategies
+    @_model_methods.through_model
     def train_on_batch(self, x, y=None, sample_weight=None, **kwargs):
         """Runs one exact step on one global batch."""
         _compile.follow(self)
@@ -269,6 +274,7 @@ class MirroredModel(ReplicaAttributes, _user_model.UserModelState,
                 **kwargs))
 
     @_rebuild.outside_other_strategies
+    @_model_methods.through_model
     def test_on_batch(self, x, y=None, sample_weight=None, **kwargs):
         """Evaluates one global batch exactly."""
         _compile.follow(self)
@@ -280,6 +286,7 @@ class MirroredModel(ReplicaAttributes, _user_model.UserModelState,
                 **kwargs))[0]
 
     @_rebuild.outside_other_strategies
+    @_model_methods.through_model
     def predict_on_batch(self, x):
         """Predicts one global batch; rows keep the input order."""
         _compile.follow(self)

@@ -10,7 +10,10 @@ replicas' shards gives back the global batch:
 - `"per_replica"` (fill): each replica holds one user batch of up to
   `capacity` rows; replica `r` gets rows `[r * capacity, (r + 1) * capacity)`
   of the concatenation, so a short final batch leaves the last replicas with
-  fewer rows or none.
+  fewer rows or none. A global batch of more than `N * capacity` rows (the
+  replica batches grew) is split with capacity `ceil(B / N)`, never
+  clipped: every row is trained on, as one device trains on the joined
+  batch.
 """
 
 import tensorflow as tf
@@ -23,7 +26,13 @@ def balanced_sizes(batch_size, num_replicas):
 
 
 def fill_sizes(batch_size, num_replicas, capacity):
-    """Row counts per replica for the fill rule, as a tuple of ints."""
+    """Row counts per replica for the fill rule, as a tuple of ints.
+
+    A global batch larger than `num_replicas * capacity` (per-replica
+    batches that grew after the first) raises the capacity to
+    `ceil(batch_size / num_replicas)`: no row is ever dropped.
+    """
+    capacity = max(capacity, -(-batch_size // num_replicas))
     return tuple(
         max(0, min(capacity, batch_size - i * capacity))
         for i in range(num_replicas)
@@ -38,6 +47,7 @@ def sizes_tensor(batch_size, num_replicas, capacity=None):
         q = batch_size // num_replicas
         r = batch_size % num_replicas
         return q + tf.cast(ids < r, tf.int32)
+    capacity = tf.maximum(capacity, -(-batch_size // num_replicas))
     return tf.clip_by_value(batch_size - ids * capacity, 0, capacity)
 
 

@@ -63,3 +63,51 @@ def test_sizes_tensor_matches_python(batch_size, n, capacity):
     batch_size = min(batch_size, n * capacity)
     filled = split.sizes_tensor(batch_size, n, capacity).numpy().tolist()
     assert tuple(filled) == split.fill_sizes(batch_size, n, capacity)
+
+
+def test_a_batch_larger_than_the_capacity_is_never_clipped():
+    assert split.fill_sizes(32, 4, 4) == (8, 8, 8, 8)
+    assert split.fill_sizes(14, 4, 4) == (4, 4, 4, 2)
+    assert tuple(split.sizes_tensor(33, 4, 4).numpy()) == (9, 9, 9, 6)
+    assert tuple(split.sizes_tensor(14, 4, 4).numpy()) == (4, 4, 4, 2)
+
+
+def test_growing_per_replica_batches_train_as_the_joined_batches(cpus):
+    import keras
+    import tensorflow as tf
+    from support.helpers import max_diff
+    from support.helpers import mlp
+
+    import keras_mirror
+
+    rng = np.random.default_rng(0)
+    sizes = [4, 4, 4, 4, 8, 8, 8, 8, 8, 8, 8, 3]
+    x = rng.normal(size=(sum(sizes), 6)).astype("float32")
+    y = rng.normal(size=(sum(sizes), 3)).astype("float32")
+    ends = np.cumsum(sizes)
+
+    def elements(groups):
+        starts = np.concatenate([[0], ends[:-1]])
+        cut = [(x[a:b], y[a:b]) for a, b in zip(starts, ends)]
+        if groups == 1:
+            return cut
+        return [tuple(np.concatenate(p) for p in zip(*cut[i:i + 4]))
+                for i in range(0, len(cut), 4)]
+
+    def dataset(parts):
+        return tf.data.Dataset.from_generator(
+            lambda: iter(parts),
+            output_signature=(tf.TensorSpec((None, 6), tf.float32),
+                              tf.TensorSpec((None, 3), tf.float32)))
+
+    single = mlp()
+    single.compile(optimizer=keras.optimizers.SGD(0.1), loss="mse")
+    single.fit(dataset(elements(4)), epochs=2, verbose=0)
+    model = mlp()
+    model.compile(optimizer=keras.optimizers.SGD(0.1), loss="mse")
+    mirrored = keras_mirror.MirroredModel(model, devices=cpus,
+                                          batch="per_replica")
+    mirrored.fit(dataset(elements(1)), epochs=2, verbose=0)
+    assert (mirrored.optimizer.iterations.numpy()
+            == single.optimizer.iterations.numpy())
+    assert max_diff(single.get_weights(), model.get_weights()) < 1e-5

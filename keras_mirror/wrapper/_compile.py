@@ -19,6 +19,7 @@ from keras_mirror.distribute import _homes
 from keras_mirror.steps import own_step
 from keras_mirror.wrapper import _arguments
 from keras_mirror.wrapper import _inputs
+from keras_mirror.wrapper import _own_step_applies
 from keras_mirror.wrapper import _rebuild
 
 EXACT_REDUCTIONS = ("sum_over_batch_size", "mean")
@@ -144,11 +145,18 @@ def build(mirrored, batch):
         _compat.symbolic_build(inner, batch)
     elif _compat.has_compiled_loss_or_metrics(inner):
         _build_own_step_loss(inner, batch)
-    variables = inner.trainable_variables
-    for optimizer in _homes.optimizers_of(inner):
-        if not optimizer.built and variables:
-            # An optimizer of a model's own step may update any subset of
-            # the variables; built on all of them, it can.
+    optimizers = [o for o in _homes.optimizers_of(inner) if not o.built]
+    if mirrored._custom_step and optimizers:
+        applied = _own_step_applies.applied_variables(inner, optimizers,
+                                                      batch)
+    else:
+        applied = {}
+    for optimizer in optimizers:
+        # Keras builds an optimizer on the variables of its first `apply`:
+        # an own step's optimizer on what that step applies it to (a GAN's
+        # `d_optimizer` on the discriminator's), read from a dry trace.
+        variables = applied.get(id(optimizer), inner.trainable_variables)
+        if variables:
             optimizer.build(variables)
 
 
