@@ -175,9 +175,7 @@ class ReplicaContext:
         """
         if not self._traced_once:
             return False
-        from keras_mirror.steps import _one_trace
-
-        _one_trace.note(CROSS_REPLICA_IN_ONE_TRACE)
+        note(CROSS_REPLICA_IN_ONE_TRACE)
         return True
 
     def __repr__(self):
@@ -190,6 +188,26 @@ class ReplicaContext:
 CROSS_REPLICA_IN_ONE_TRACE = (
     "the forward pass all-reduces across replicas, which no replica can "
     "wait for inside a function traced once for all replicas")
+
+
+class _Trial(threading.local):
+    """The reasons noted while the single trace is made (None: none is)."""
+
+    reasons = None
+
+
+TRIAL = _Trial()
+
+
+def note(reason):
+    """Notes, while work is traced once for all replicas, that one trace
+    cannot serve it (`steps/_one_trace.Traced.prepare` drops the trace)."""
+    if TRIAL.reasons is None:
+        raise RuntimeError(
+            f"keras-mirror: {reason}, outside the single trace of a "
+            "replica's work. This is a bug in keras-mirror; please report "
+            "it with the model.")
+    TRIAL.reasons.append(reason)
 
 
 def _stand_in_gather(context, value):

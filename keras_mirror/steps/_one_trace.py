@@ -30,11 +30,12 @@ step takes its per-replica branch.
 """
 
 import logging
-import threading
 
 import tensorflow as tf
 
 from keras_mirror.replica_context import CROSS_REPLICA_IN_ONE_TRACE
+from keras_mirror.replica_context import TRIAL
+from keras_mirror.replica_context import note
 from keras_mirror.steps import _batchnorm
 from keras_mirror.steps import _xla
 from keras_mirror.steps import arithmetic
@@ -43,26 +44,7 @@ SPARSE = "a shard is sparse or ragged"
 REDUCES = CROSS_REPLICA_IN_ONE_TRACE
 
 
-class _Trial(threading.local):
-    """The reasons noted while the single trace is made (None: none is)."""
-
-    reasons = None
-
-
-_TRIAL = _Trial()
-
-
-def note(reason):
-    """Notes, while work is traced once for all replicas, that one trace
-    cannot serve it: `reason` says why (`Traced.prepare` then drops the
-    trace). The caller goes on with a stand-in value of the right shape.
-    """
-    if _TRIAL.reasons is None:
-        raise RuntimeError(
-            f"keras-mirror: {reason}, outside the single trace of a "
-            "replica's work. This is a bug in keras-mirror; please report "
-            "it with the model.")
-    _TRIAL.reasons.append(reason)
+_TRIAL = TRIAL
 
 
 def enabled(mirrored):
