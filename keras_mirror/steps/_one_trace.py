@@ -44,7 +44,6 @@ SPARSE = "a shard is sparse or ragged"
 REDUCES = CROSS_REPLICA_IN_ONE_TRACE
 
 
-_TRIAL = TRIAL
 
 
 def enabled(mirrored):
@@ -148,7 +147,7 @@ class Traced:
         if sparse and not self._jit:
             self.reason = SPARSE
             return self.reason
-        _TRIAL.reasons = reasons = []
+        TRIAL.reasons = reasons = []
         try:
             if sparse:
                 concrete = self.function.get_concrete_function(*args)
@@ -156,7 +155,7 @@ class Traced:
                 concrete = self.function.get_concrete_function(*[
                     _specs(a, i in self._shards) for i, a in enumerate(args)])
         finally:
-            _TRIAL.reasons = None
+            TRIAL.reasons = None
         if reasons:
             self.reason = reasons[0]
         elif not sparse:
