@@ -44,8 +44,6 @@ SPARSE = "a shard is sparse or ragged"
 REDUCES = CROSS_REPLICA_IN_ONE_TRACE
 
 
-
-
 def enabled(mirrored):
     """Whether the built-in step's replica work is traced once.
 
