@@ -228,13 +228,20 @@ class MirroredModel(ReplicaAttributes, _user_model.UserModelState,
             self, x, y, batch_size, epochs, verbose, callbacks,
             validation_data, steps_per_epoch, kwargs)
         backup = step_backup.find(prepared.callbacks)
+
+        def keras_fit(x, *args, **kwargs):
+            # On a cluster, this worker's rows become the strategy's
+            # distributed dataset only now, after a resume skipped some.
+            return super(MirroredModel, self).fit(
+                _worker_input.distributed(self, x), *args, **kwargs)
+
         with self._homes.mirrored(), _user_model.saves_through(self):
             if backup is not None:
                 return backup.resume_fit(
-                    self, super().fit, prepared.x, prepared.y,
+                    self, keras_fit, prepared.x, prepared.y,
                     prepared.batch_size, epochs, steps_per_epoch,
                     prepared.keras_kwargs(), steps=prepared.steps)
-            return super().fit(
+            return keras_fit(
                 prepared.x, prepared.y, batch_size=prepared.batch_size,
                 epochs=epochs, steps_per_epoch=steps_per_epoch,
                 **prepared.keras_kwargs())

@@ -26,11 +26,12 @@ all-gathers the workers' rows in worker order, which is virtual-shard order
 shards itself: the single-device reference, and what 2, 3 or, after an
 elastic restart, any other number of workers train on.
 
-Before the first step, each worker counts the batches and records of its
-shards (one pass over its share) and the workers sum the counts, so that
-every worker knows the epoch's length. A `StepBackup` stores `V` and each
-virtual shard's position; resuming with another `V` or other input is
-refused.
+Nothing is read ahead: each worker's stream ends with its longest shard,
+and on a cluster the strategy's distributed iterator agrees at every step
+whether any worker still has rows (`_worker_input.distributed`), so the
+epoch ends on every worker at the same step and each worker reads its
+share once per epoch. A `StepBackup` stores `V` and each virtual shard's
+position; resuming with another `V` is refused.
 """
 
 import os
@@ -164,41 +165,6 @@ def _rows(element):
     return tf.shape(first, out_type=tf.int64)[0]
 
 
-def _count(shard):
-    """(batches, rows) of one pass over a virtual shard."""
-    def add(total, element):
-        return total + tf.stack([tf.constant(1, tf.int64), _rows(element)])
-
-    try:
-        return shard.reduce(tf.zeros(2, tf.int64), add).numpy()
-    except tf.errors.InvalidArgumentError as e:
-        if "FILE based sharding" not in str(e):
-            raise
-        raise ValueError(
-            "`virtual_shards` must be at most the number of files the "
-            "pipeline reads: each virtual shard reads whole files. "
-            f"Received: {e.message.split('. ')[0]}") from None
-
-
-def _sum_over_workers(mirrored, vector):
-    """Each worker's `vector` summed over the workers (cluster only)."""
-    if mirrored.num_workers < 2:
-        return vector
-    strategy = mirrored.strategy
-    first = mirrored.local_replica_ids[0]
-    local = tf.constant(vector, tf.int64)
-
-    def value(ctx):
-        keep = tf.cast(tf.equal(ctx.replica_id_in_sync_group, first),
-                       tf.int64)
-        return local * keep
-
-    with strategy.scope():
-        per_replica = strategy.experimental_distribute_values_from_function(
-            value)
-        return strategy.reduce("SUM", per_replica, axis=None).numpy()
-
-
 def _empty(spec):
     def zeros(s):
         shape = [0] + [0 if d is None else d for d in s.shape[1:]]
@@ -211,36 +177,63 @@ def _concat(*parts):
     return tf.nest.map_structure(lambda *t: tf.concat(t, axis=0), *parts)
 
 
-def _stream(shards, counts, steps, message):
-    """One element per step: this worker's shards' batches, concatenated."""
-    padded = tuple(
-        shard.concatenate(_empty(shard.element_spec).repeat(
-            steps - int(count[0])))
-        for shard, count in zip(shards, counts))
-    stream = tf.data.Dataset.zip(padded).map(_concat)
+def _longest(shards):
+    """Batch `k` of every shard, concatenated, until the longest ends.
 
-    def read(total, element):
-        total = total + _rows(element)
-        return total, (total, element)
+    A shard that has run out gives no rows (an empty batch); nothing is
+    counted ahead: the stream ends when no shard has a batch left. An
+    endless input (`repeat()`) gives an endless stream.
+    """
+    def flagged(shard):
+        return shard.map(lambda *e: (True, e)).concatenate(
+            _empty(shard.element_spec).map(lambda *e: (False, e)).repeat())
 
-    def log(index, pair):
-        total, element = pair
+    zipped = tf.data.Dataset.zip(tuple(flagged(s) for s in shards))
+    zipped = zipped.take_while(
+        lambda *pairs: tf.reduce_any(tf.stack([p[0] for p in pairs])))
+    return zipped.map(lambda *pairs: _unwrap(_concat(*[p[1] for p in pairs])))
 
-        def say():
-            tf.print(tf.strings.format(message, total),
-                     output_stream=sys.stderr)
-            return tf.constant(0)
 
-        with tf.control_dependencies([tf.cond(
-                tf.equal(index, steps - 1), say, lambda: tf.constant(0))]):
-            return tf.nest.map_structure(tf.identity, element)
+def _unwrap(element):
+    return element[0] if isinstance(element, tuple) and len(element) == 1 \
+        else element
 
-    stream = stream.scan(tf.constant(0, tf.int64), read).enumerate().map(log)
-    return stream.apply(tf.data.experimental.assert_cardinality(steps))
+
+def _logged(stream, message):
+    """`stream`, printing `message` with the rows it gave when it ends.
+
+    The rows are summed as the stream is read (a variable the pipeline
+    updates), so nothing is read for the message.
+    """
+    read = tf.Variable(0, dtype=tf.int64, trainable=False)
+
+    def count(*element):
+        read.assign_add(_rows(element))
+        return _unwrap(element)
+
+    def say(_):
+        tf.print(tf.strings.format(message, read.read_value()),
+                 output_stream=sys.stderr)
+        with tf.control_dependencies([read.assign(0)]):
+            return tf.constant(False)
+
+    tail = tf.data.Dataset.range(1).map(say).filter(lambda never: never)
+    return stream.map(count).concatenate(tail.map(
+        lambda _: tf.nest.map_structure(
+            lambda s: tf.zeros([0] + [0 if d is None else d
+                                      for d in s.shape[1:]], s.dtype),
+            stream.element_spec)))
 
 
 def fit_dataset(mirrored, x):
-    """The dataset `fit` reads for `x` on this worker (see module doc)."""
+    """The dataset `fit` reads for `x` on this worker (see module doc).
+
+    Each element is this worker's rows of one global batch (its hosted
+    shards' batches, in shard order); it ends when its longest shard
+    does. The input is read once per epoch: nothing is counted ahead. On
+    a cluster the workers agree on the epoch's end as they read
+    (`distributed`).
+    """
     num_shards = mirrored.virtual_shards or mirrored.num_workers
     from_fn = is_input_fn(x)
     facts = None
@@ -251,23 +244,15 @@ def fit_dataset(mirrored, x):
     mine = hosted(num_shards, mirrored.num_workers, position)
     shards = [_fn_shard(x, num_shards, v) if from_fn else
               _dataset_shard(x, facts, num_shards, v) for v in mine]
-    counts = [_count(shard) for shard in shards]
-    everyone = [[0, 0]] * num_shards
-    for v, count in zip(mine, counts):
-        everyone[v] = list(count)
-    everyone = _sum_over_workers(mirrored, everyone)
-    lengths = [int(c[0]) for c in everyone]
-    total = sum(int(c[1]) for c in everyone)
-    steps = max(lengths)
     files = "" if facts is None or facts.files is None else (
         f", {len(file_shares(facts.files, num_shards, mine))} of "
         f"{len(facts.files)} files")
-    message = (f"keras-mirror: worker {position} read {{}} of {total} "
-               f"records (virtual shards {mine.start}-{mine.stop - 1} of "
+    message = (f"keras-mirror: worker {position} read {{}} records "
+               f"(virtual shards {mine.start}-{mine.stop - 1} of "
                f"{num_shards}{files}; worker_input='shard').")
-    stream = _stream(shards, counts, steps, message.replace("%", "%%"))
-    forget(mirrored, {"num_shards": num_shards, "lengths": lengths,
-                      "hosted": mine, "dataset": stream})
+    stream = _logged(_longest(shards), message.replace("%", "%%"))
+    forget(mirrored, {"num_shards": num_shards, "hosted": mine,
+                      "dataset": stream})
     return stream
 
 
@@ -284,7 +269,9 @@ def file_shares(files, num_shards, shards):
 # -- StepBackup ------------------------------------------------------------
 
 def _positions(state, step):
-    return [min(step, length) for length in state["lengths"]]
+    """Each shard's position: `step` batches (a shard that has ended is
+    read to its end, which skipping `step` batches of it also gives)."""
+    return [step] * state["num_shards"]
 
 
 def backup_arrays(mirrored, step):
@@ -310,9 +297,9 @@ def check_backup(mirrored, arrays, path, step):
     detail = (f"it was written with virtual_shards={saved}, this run has "
               f"virtual_shards={now}") if saved != now else (
         "its virtual shards' positions "
-        f"{list(map(int, arrays['shard_positions']))} do not fit this "
-        f"input's shards (batches per shard {state['lengths']}): the "
-        "input changed")
+        f"{list(map(int, arrays['shard_positions']))} are not "
+        f"{step} batches into each of this input's {state['num_shards']} "
+        "shards")
     raise errors.StepBackupError(
         f"The step backup {path!r} does not match this run's input: "
         f"{detail}. Nothing was restored. Resume with the same "

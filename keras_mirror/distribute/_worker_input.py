@@ -138,30 +138,93 @@ def shard_fit_input(mirrored, x, y, batch_size, kwargs):
     return dataset, None, None, kwargs
 
 
+def _marked(x):
+    spec = getattr(x, "element_spec", None)
+    return isinstance(x, tf.data.Dataset) and isinstance(spec, dict) and \
+        set(spec) == {_MARK}
+
+
+def _pieces(n_local):
+    """An element of this worker's rows as `n_local` consecutive elements,
+    one per local replica, in order (balanced, contiguous)."""
+    def split(element):
+        leaves = tf.nest.flatten(element)
+        rows = tf.shape(leaves[0], out_type=tf.int64)[0]
+        base, extra = rows // n_local, rows % n_local
+
+        def piece(i):
+            start = i * base + tf.minimum(i, extra)
+            size = base + tf.cast(i < extra, tf.int64)
+            return tf.nest.map_structure(
+                lambda t: t[start:start + size], element)
+
+        return tf.data.Dataset.range(n_local).map(piece)
+
+    return split
+
+
+def distributed(mirrored, x):
+    """Keras's `x` on a cluster: this worker's rows, read by the strategy.
+
+    Unchanged unless `x` holds this worker's rows (`shard_fit_input`).
+    Then `tf.distribute`'s own distributed dataset of it: each local
+    replica receives its consecutive part of the worker's rows, and when
+    some workers have run out and others have not, the strategy's
+    iterator agrees on it across the workers at every step (an all-reduce
+    of the number of replicas with data, TensorFlow's partial-batch
+    handling): a worker out of rows gives empty batches until every
+    worker is, and then the epoch ends on all of them at the same step.
+    Nothing is counted ahead, so the input is read once per epoch.
+    """
+    if mirrored.num_workers < 2 or not _marked(x) or int(
+            x.cardinality()) >= 0:
+        # Arrays' rows: every worker has an element for each of the steps
+        # Keras counts, so nothing needs agreeing.
+        return x
+    per_replica = x.flat_map(_pieces(len(mirrored.local_replica_ids)))
+    return mirrored.strategy.distribute_datasets_from_function(
+        lambda input_context: per_replica)
+
+
+def local_rows(data):
+    """This worker's rows of a distributed element, concatenated (its
+    local replicas' parts in order): what the loss-term probe reads."""
+    def join(value):
+        if isinstance(value, tf.distribute.DistributedValues):
+            parts = value.values
+            return tf.concat(parts, axis=0) if len(parts) > 1 else parts[0]
+        return value
+
+    return tf.nest.map_structure(join, data)
+
+
 def assemble(mirrored, data):
     """The global batch from every worker's rows (a no-op otherwise).
 
-    Runs in the training step: this worker's rows go to its first local
-    replica (the others hold none) and the strategy's all-gather
-    concatenates every replica's rows in global replica order, which is
-    worker order: the global batch, as every worker would have read it.
+    Runs in the training step: the strategy's all-gather concatenates
+    every replica's rows in global replica order, which is worker order:
+    the global batch, as every worker would have read it.
     """
     if not isinstance(data, dict) or set(data) != {_MARK}:
         return data
     strategy = mirrored.strategy
-    first = mirrored.local_replica_ids[0]
+    rows = data[_MARK]
+    if not isinstance(tf.nest.flatten(rows)[0],
+                      tf.distribute.DistributedValues):
+        # A worker's rows in one element (arrays): its first local
+        # replica holds them, the others none.
+        first = mirrored.local_replica_ids[0]
 
-    def local(ctx):
-        keep = tf.cast(tf.equal(ctx.replica_id_in_sync_group, first),
-                       tf.int32)
-        return tf.nest.map_structure(
-            lambda t: t[:tf.shape(t)[0] * keep], data[_MARK])
+        def local(ctx):
+            keep = tf.cast(tf.equal(ctx.replica_id_in_sync_group, first),
+                           tf.int32)
+            return tf.nest.map_structure(
+                lambda t: t[:tf.shape(t)[0] * keep], rows)
 
-    per_replica = strategy.experimental_distribute_values_from_function(
-        local)
+        rows = strategy.experimental_distribute_values_from_function(local)
     with strategy.scope():
         gathered = tf.nest.map_structure(
-            lambda v: strategy.gather(v, axis=0), per_replica)
+            lambda v: strategy.gather(v, axis=0), rows)
     return tuple(gathered)
 
 

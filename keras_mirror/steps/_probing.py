@@ -46,7 +46,8 @@ def needs_probe(mirrored, training=True):
 def classify(mirrored, element, training=True):
     """Sets `mirrored._reductions` from one element of the input."""
     if isinstance(element, dict) and set(element) == {_worker_input._MARK}:
-        element = element[_worker_input._MARK]  # this worker's rows
+        # This worker's rows (of its local replicas, on a cluster).
+        element = _worker_input.local_rows(element[_worker_input._MARK])
     batch = keras.utils.unpack_x_y_sample_weight(element)
     mirrored._reductions = _reductions.probe(mirrored._inner, batch,
                                              training)

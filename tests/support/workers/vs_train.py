@@ -5,7 +5,7 @@ tests/distribute/test_virtual_shards.py (one process, or started by
 usage: vs_train.py DATA_DIR OUT_DIR [--epochs E] [--virtual-shards V]
                    [--input dataset|input_fn] [--backup DIR]
                    [--kill-at-step S --kill-worker I [--kill-always]]
-                   [--sigterm-at-step S]
+                   [--sigterm-at-step S] [--repeat-steps N]
 
 Trains `model()` with `worker_input="shard"` on the TFRecord files
 `write_files` wrote in DATA_DIR (`list_files(shuffle=False)`, `interleave`,
@@ -138,6 +138,9 @@ def main():
     parser.add_argument("--kill-worker", type=int, default=1)
     parser.add_argument("--kill-always", action="store_true")
     parser.add_argument("--sigterm-at-step", type=int)
+    parser.add_argument("--repeat-steps", type=int,
+                        help="read the pipeline `.repeat()`ed, with this "
+                        "`steps_per_epoch`")
     args = parser.parse_args()
     cpus = keras_mirror.logical_cpus(1)
 
@@ -172,7 +175,11 @@ def main():
     callbacks = [Kill()]
     if args.backup:
         callbacks.insert(0, keras_mirror.StepBackup(args.backup))
-    mirrored.fit(x, epochs=args.epochs, verbose=0, callbacks=callbacks)
+    steps_per_epoch = None
+    if args.repeat_steps:
+        x, steps_per_epoch = x.repeat(), args.repeat_steps
+    mirrored.fit(x, epochs=args.epochs, verbose=0, callbacks=callbacks,
+                 steps_per_epoch=steps_per_epoch)
     out = pathlib.Path(args.out_dir)
     iterations = int(mirrored.optimizer.iterations.numpy())
     np.savez(out / f"weights_{index}.npz", *mirrored.model.get_weights(),
