@@ -180,7 +180,8 @@ def main(argv=None):
     single, h1 = train(args, None, True)
     gathered, h2 = train(args, devices, True)
     local, _ = train(args, devices, False)
-    print(f"one device: final loss {h1.history['loss'][-1]:.6f}")
+    print(f"{args.loss}, one device: final loss "
+          f"{h1.history['loss'][-1]:.6f}")
     print(f"{args.replicas} replicas, all_gather: final loss "
           f"{h2.history['loss'][-1]:.6f}")
     print(f"max weight difference with all_gather: "

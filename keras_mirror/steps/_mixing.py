@@ -35,8 +35,12 @@ WHAT = "whole-batch tensor"
 
 def check(mirrored, shards):
     """Warns once per wrapper if replica 0's traced own `train_step`
-    (`shards`: the per-replica shards it ran on) mixes its shard's rows."""
-    if tf.executing_eagerly() or \
+    (`shards`: the per-replica shards it ran on) mixes its shard's rows.
+
+    Not with one replica, whose shard is the whole batch (exact), nor in a
+    step run eagerly (no graph to scan).
+    """
+    if mirrored.num_replicas == 1 or tf.executing_eagerly() or \
             not mirrored._step_state.first_time(WHAT, "scanned"):
         return
     shard = [t for t in tf.nest.flatten(

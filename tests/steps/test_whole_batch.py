@@ -143,6 +143,13 @@ def test_a_step_that_mixes_its_rows_warns_once(cpus, loss_fn, name, shape):
 # -- exact steps: silent -----------------------------------------------------
 
 
+def test_one_replica_does_not_warn(cpus):
+    # Its shard is the whole batch: the similarity matrix is one device's.
+    _, warned = _recording(_fit_two_tower, cpus[:1], _similarity)
+    assert warned == []
+
+
+
 class OwnBatchNorm(keras.Model):
     """BatchNormalization in the Keras guide's own `train_step`."""
 
