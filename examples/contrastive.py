@@ -2,14 +2,20 @@
 
 A contrastive loss scores each row against every other row of the batch:
 the batch is part of the loss. Computed on each replica's shard, the
-negatives are the shard's rows only, and training differs from one device.
+negatives are the shard's rows only, and training differs from one device
+(keras-mirror warns of it at the first step).
 `keras_mirror.replica_context().all_gather(z)` gives every replica the
 global batch's rows, with the gradient routed back to each replica's own
 rows, so the loss is one device's. This script trains the same model on one
 device, on 4 replicas with `all_gather`, and on 4 replicas without it, on
 synthetic pairs of views, and prints how far the weights are apart.
 
+Two losses: `--loss infonce` (CLIP's symmetric InfoNCE, each view against
+the other) and `--loss nt-xent` (SimCLR's NT-Xent: both views' rows against
+all 2B rows but themselves).
+
     python examples/contrastive.py --epochs 2
+    python examples/contrastive.py --loss nt-xent --rows 26 --batch-size 8
 """
 
 import argparse
@@ -28,6 +34,7 @@ def parse_args(argv):
     parser.add_argument("--rows", type=int, default=60,
                         help="training pairs (60 leaves an uneven batch)")
     parser.add_argument("--replicas", type=int, default=4)
+    parser.add_argument("--loss", choices=sorted(LOSSES), default="infonce")
     return parser.parse_args(argv)
 
 
@@ -66,10 +73,49 @@ def contrastive_loss(za, zb, gather=True, temperature=0.2):
     return (ops.mean(losses[0]) + ops.mean(losses[1])) / 2
 
 
-def make_model(gather=True, seed=0):
-    """A small encoder trained by its own `train_step` (keras.io style)."""
+def nt_xent_loss(za, zb, gather=True, temperature=0.5):
+    """SimCLR's NT-Xent: each of the 2B rows against the other 2B - 1.
+
+    Row i of view a has its positive in row i of view b, and the other
+    2B - 2 rows of both views are its negatives. One device builds the
+    [2B, 2B] similarity matrix; on a replica, its 2b rows (both views of
+    its shard) are scored against all 2B rows (`all_gather`), a [2b, 2B]
+    block of that matrix, and the mean over its rows, weighted by the
+    replica's share of the batch, sums to one device's mean over 2B rows.
+    """
+    import keras
+
+    ops = keras.ops
+    ctx = keras_mirror.replica_context()
+    if gather:
+        all_a, all_b, first = ctx.all_gather(za), ctx.all_gather(zb), \
+            ctx.offset
+    else:
+        all_a, all_b, first = za, zb, 0
+    rows, total = ops.shape(za)[0], ops.shape(all_a)[0]
+    anchors = ops.concatenate([za, zb], axis=0)  # [2b, d]
+    others = ops.concatenate([all_a, all_b], axis=0)  # [2B, d]
+    logits = ops.matmul(anchors, ops.transpose(others)) / temperature
+    # The anchors' own global rows (view a, then view b), and their
+    # positives: the same example's row in the other view.
+    mine = first + ops.arange(rows)
+    own = ops.concatenate([mine, mine + total], axis=0)
+    positives = ops.concatenate([mine + total, mine], axis=0)
+    logits = logits - 1e9 * ops.one_hot(own, 2 * total)
+    return ops.mean(keras.losses.sparse_categorical_crossentropy(
+        positives, logits, from_logits=True))
+
+
+LOSSES = {"infonce": contrastive_loss, "nt-xent": nt_xent_loss}
+
+
+def make_model(gather=True, seed=0, loss="infonce"):
+    """A small encoder trained by its own `train_step` (keras.io style),
+    on `loss` (a key of `LOSSES`)."""
     import keras
     import tensorflow as tf
+
+    loss_fn = LOSSES[loss]
 
     class Contrastive(keras.Model):
         def __init__(self, **kwargs):
@@ -95,8 +141,8 @@ def make_model(gather=True, seed=0):
         def train_step(self, data):
             view_a, view_b = data
             with tf.GradientTape() as tape:
-                loss = contrastive_loss(self.embed(view_a),
-                                        self.embed(view_b), gather)
+                loss = loss_fn(self.embed(view_a), self.embed(view_b),
+                               gather)
             variables = self.encoder.trainable_weights
             grads = tape.gradient(loss, variables)
             self.optimizer.apply_gradients(zip(grads, variables))
@@ -113,7 +159,7 @@ def make_model(gather=True, seed=0):
 def train(args, replicas, gather):
     """Trains from seed 0; returns (model, History)."""
     a, b = make_data(args.rows)
-    model = make_model(gather)
+    model = make_model(gather, loss=args.loss)
     target = keras_mirror.MirroredModel(model, devices=replicas) \
         if replicas else model
     history = target.fit(a, b, batch_size=args.batch_size,
@@ -134,7 +180,8 @@ def main(argv=None):
     single, h1 = train(args, None, True)
     gathered, h2 = train(args, devices, True)
     local, _ = train(args, devices, False)
-    print(f"one device: final loss {h1.history['loss'][-1]:.6f}")
+    print(f"{args.loss}, one device: final loss "
+          f"{h1.history['loss'][-1]:.6f}")
     print(f"{args.replicas} replicas, all_gather: final loss "
           f"{h2.history['loss'][-1]:.6f}")
     print(f"max weight difference with all_gather: "

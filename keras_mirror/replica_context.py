@@ -145,12 +145,37 @@ class ReplicaContext:
         `value` has this replica's rows (`shard_size`, leading dimension);
         the result has the global batch's `global_batch_size` rows, replica
         0's first, the same on every replica: what one device computes on
-        the whole batch. Differentiable: the gradient of each replica's
-        loss with respect to the gathered rows is summed over replicas and
-        each replica keeps its own rows' part, so a loss over the gathered
-        rows (in-batch negatives, a contrastive loss) trains as on one
-        device, for uneven and empty shards too. Outside `MirroredModel`,
-        `value` itself.
+        the whole batch. Row `i` of the shard is row `offset + i` of the
+        result. Outside `MirroredModel`, `value` itself. Integer tensors
+        (labels) are gathered without a gradient.
+
+        Differentiable, so that a loss over the whole batch (in-batch
+        negatives, NT-Xent, a CLIP-style similarity matrix) trains as on
+        one device, for uneven and empty shards too. With `s_r = b_r / B`
+        replica `r`'s share and `L_r` the loss its step computes, the step
+        is exact when one device's loss is `L = sum_r s_r L_r`, which holds
+        for the two usual forms:
+
+        - `L_r` is the mean, over the shard's rows, of a per-row loss that
+          scores each row against the gathered rows `Z` (InfoNCE, NT-Xent:
+          a `[b_r, B]` block of one device's `[B, B]` matrix); or
+        - `L_r = L(Z)`, the same whole-batch value on every replica
+          (`sum_r s_r = 1`).
+
+        A replica's tape reaches the weights `w` only through its own rows
+        `z_q`, so one device's gradient must come to each replica as
+        `sum_q (dL/dz_q) dz_q/dw`, where `dL/dz_q = sum_r s_r dL_r/dz_q`.
+        keras-mirror sums the replicas' gradients weighted by their shares,
+        `g = sum_q s_q g_q` (a model's own step weights them when they are
+        applied; the built-in step differentiates `s_q L_q`). In the
+        backward pass, replica `r` holds `U_r = dL_r/dZ` (all `B` rows);
+        the gather all-reduces `sum_r s_r U_r` and replica `q` keeps rows
+        `[offset_q, offset_q + b_q)`, divided by `s_q` in an own step (the
+        built-in step's `U_r` carries `s_r` already, and nothing is
+        divided). Weighted by `s_q` again, that is `sum_r s_r dL_r/dz_q`
+        through `Z`, to which the replica's direct use of its rows adds
+        `s_q dL_q/dz_q`: summed over `q`, one device's gradient. An empty
+        shard (`s_q = 0`) gives no rows and gets a zero gradient.
 
         Example:
 

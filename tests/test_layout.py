@@ -40,6 +40,7 @@ COVERED_BY = {
     "steps/_capacity": "test_mirrored_model.py",
     "steps/_state": "steps/test_one_trace.py",
     "steps/_metric_weights": "steps/test_stand_in.py",
+    "steps/_mixing": "steps/test_whole_batch.py",
     "steps/_reductions": "steps/test_probing.py",
     "steps/_scope": "steps/test_execution.py",
     "steps/_slicing": "steps/test_sparse.py",

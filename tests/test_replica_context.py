@@ -45,7 +45,9 @@ def test_shard_local_negatives_differ_from_one_device(cpus):
     example = _example()
     args = example.parse_args(["--epochs", "2"])
     single, _ = example.train(args, None, True)
-    local, _ = example.train(args, cpus, False)
+    with pytest.warns(UserWarning, match=r"computes `MatMul` of shape "
+                      r"\(b, b\), where b is the rows of one replica's"):
+        local, _ = example.train(args, cpus, False)
     assert max_diff(single.get_weights(), local.get_weights()) > 1e-2
 
 
@@ -129,3 +131,51 @@ def test_a_layer_that_gathers_trains_as_on_one_device(cpus):
                                rtol=1e-5)
     np.testing.assert_allclose(mirrored.predict(x, verbose=0),
                                single.predict(x, verbose=0), atol=1e-5)
+
+
+class _GlobalLoss(keras.Model):
+    """A loss of the gathered batch only: the same value on every replica.
+    """
+
+    def __init__(self, **kwargs):
+        super().__init__(**kwargs)
+        self.dense = keras.layers.Dense(3)
+
+    def call(self, x):
+        return self.dense(x)
+
+    def train_step(self, data):
+        x = data[0] if isinstance(data, tuple) else data
+        ops = keras.ops
+        with tf.GradientTape() as tape:
+            z = keras_mirror.replica_context().all_gather(self.dense(x))
+            centred = z - ops.mean(z, axis=0, keepdims=True)
+            loss = ops.logsumexp(ops.matmul(z, ops.transpose(z))) + \
+                ops.mean(ops.square(centred))
+        variables = self.trainable_weights
+        self.optimizer.apply_gradients(
+            zip(tape.gradient(loss, variables), variables))
+        return {"loss": loss}
+
+
+def _global_loss_model():
+    keras.utils.set_random_seed(6)
+    model = _GlobalLoss()
+    model(np.zeros((1, 5), "float32"))
+    model.compile(optimizer=keras.optimizers.SGD(0.1))
+    return model
+
+
+def test_a_loss_of_the_gathered_batch_alone_trains_as_on_one_device(cpus):
+    # Each replica's loss is L(Z), one device's: weighted by the shares
+    # (summing to 1) before the gather's all-reduce, unweighted after.
+    x = np.random.default_rng(3).normal(size=(10, 5)).astype("float32")
+    single, model = _global_loss_model(), _global_loss_model()
+    mirrored = keras_mirror.MirroredModel(model, devices=cpus)
+    for rows in (slice(0, 7), slice(7, 10)):  # 2/2/2/1, then 1/1/1/0
+        ref = single.train_on_batch(x[rows], return_dict=True)
+        got = mirrored.train_on_batch(x[rows], return_dict=True)
+        assert got["loss"] == pytest.approx(ref["loss"], rel=1e-6)
+    assert max_diff(single.get_weights(), model.get_weights()) < TOL
+    np.testing.assert_allclose(mirrored.last_replica_logs["loss"],
+                               [ref["loss"]] * 3 + [0.0], rtol=1e-6)

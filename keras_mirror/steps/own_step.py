@@ -50,6 +50,7 @@ from keras_mirror.replica_context import activate
 from keras_mirror.replica_context import active
 from keras_mirror.steps import _batchnorm
 from keras_mirror.steps import _metric_weights
+from keras_mirror.steps import _mixing
 from keras_mirror.steps import _scope
 from keras_mirror.steps import _stand_in
 from keras_mirror.steps import _tape
@@ -231,6 +232,8 @@ def _run(mirrored, data, method):
 
     with mirrored._strategy.scope(), _scope.replica_scope(mirrored):
         out = mirrored._strategy.run(replica_step, args=(shards,))
+    if method == "train_step":
+        _mixing.check(mirrored, shards)  # warns once of a whole-batch loss
     vectors, samples = mirrored._gather(out)
     if method == "predict_step":
         return vectors
