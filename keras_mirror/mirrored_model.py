@@ -224,6 +224,19 @@ class MirroredModel(ReplicaAttributes, _user_model.UserModelState,
         """Trains as `keras.Model.fit`, with the input split per replica."""
         _compile.follow(self)
         _compile.require_compiled(self, "fit")
+        early = step_backup.find(callbacks) if isinstance(
+            callbacks, (list, tuple, keras.callbacks.CallbackList)) else None
+        if early is not None:  # SIGTERM is caught while fit prepares too
+            early.watch_signals()
+        try:
+            return self._fit_prepared(x, y, batch_size, epochs, verbose, callbacks,
+                             validation_data, steps_per_epoch, kwargs)
+        finally:
+            if early is not None:  # also when fit raised
+                early.stop_watching()
+
+    def _fit_prepared(self, x, y, batch_size, epochs, verbose, callbacks,
+                      validation_data, steps_per_epoch, kwargs):
         prepared = _fit_input.prepare_fit(
             self, x, y, batch_size, epochs, verbose, callbacks,
             validation_data, steps_per_epoch, kwargs)

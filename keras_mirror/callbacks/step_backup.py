@@ -290,7 +290,20 @@ class StepBackup(keras.callbacks.Callback):
         if not self._checked:
             self.check_directory()
             self._checked = True
-        self._preemption = _preemption.Watch()  # SIGTERM: see _preemption
+        self.watch_signals()
+
+    def watch_signals(self):
+        """Catches SIGTERM from now to the end of `fit` (see `_preemption`):
+        `MirroredModel.fit` calls it before it reads or builds anything, so
+        a SIGTERM while the input is prepared or the model built is kept
+        and acted on after the first step."""
+        if getattr(self, "_preemption", None) is None:
+            self._preemption = _preemption.Watch()
+
+    def stop_watching(self):
+        if getattr(self, "_preemption", None) is not None:
+            self._preemption.close()
+            self._preemption = None
 
     def on_epoch_begin(self, epoch, logs=None):
         self._epoch = epoch
@@ -307,9 +320,13 @@ class StepBackup(keras.callbacks.Callback):
         self.save(epoch + 1, 0)
 
     def on_train_end(self, logs=None):
-        if getattr(self, "_preemption", None) is not None:
-            self._preemption.close()
-        if self._partial or not self.delete_on_train_end:
+        if self._partial:  # more of the resumed run follows
+            return
+        # A SIGTERM after the last step (in the last epoch's end, while its
+        # backup is written) still stops every worker, the backup kept.
+        _preemption.at_train_end(self, getattr(self, "_preemption", None))
+        self.stop_watching()
+        if not self.delete_on_train_end:
             return
         if self._is_chief() and os.path.exists(self.path):
             os.remove(self.path)

@@ -2,7 +2,9 @@
 
 Cloud schedulers announce a preemption with SIGTERM, to one worker or to
 all. While `StepBackup` is in `fit`'s callbacks, each worker catches
-SIGTERM (a flag; the step in flight finishes) and, after every step, the
+SIGTERM from the start of `MirroredModel.fit` (while the input is
+prepared and the model built too) to its end (a flag; the step in flight
+finishes) and, after every step and once more at the end of training, the
 workers agree with one small all-reduce whether any of them was signalled.
 If so, every worker stops after the same step: the chief writes the step
 backup at that position (whatever `every_n_steps` is) and every worker
@@ -79,8 +81,21 @@ def after_step(backup, watch, epoch, step):
     if watch is None or not _agree(backup.model, watch.signalled):
         return
     backup.save(epoch, step)
+    _exit(backup, f"after epoch {epoch} step {step}")
+
+
+def at_train_end(backup, watch):
+    """Stops the process at the end of `fit` if any worker was signalled
+    after the last step: the backup written at the last epoch's end is
+    kept, and the restarted run finds the training done."""
+    if watch is None or not _agree(backup.model, watch.signalled):
+        return
+    _exit(backup, "at the end of training")
+
+
+def _exit(backup, where):
     print(f"keras-mirror: preempted (SIGTERM to a worker): every worker "
-          f"stopped after epoch {epoch} step {step}; the step backup is "
+          f"stopped {where}; the step backup is "
           f"in {backup.backup_dir}; exiting with code {PREEMPTED_EXIT_CODE} "
           "(restart to resume).", file=sys.stderr, flush=True)
     sys.stdout.flush()

@@ -47,6 +47,33 @@ def test_sigterm_to_one_worker_stops_all_after_one_step_and_resumes(
           f"{gap:.3g}")
 
 
+@pytest.mark.timeout(150)
+@pytest.mark.parametrize("phase, stopped, resumed", [
+    # Before any step: kept, acted on after the first step.
+    ("build", "after epoch 0 step 1", "epoch 0, step 1 (optimizer step 1)"),
+    # After the last step: every worker stops, the backup of the finished
+    # run kept; the restarted run finds the training done.
+    ("end", "at the end of training", "epoch 2, step 0 (optimizer step 12)"),
+])
+def test_sigterm_outside_the_steps_is_not_lost(tmp_path, capsys, phase,
+                                               stopped, resumed):
+    backup = tmp_path / "backup"
+    code = launch_lib.launch(
+        [sys.executable, str(WORKER), str(tmp_path), "--epochs", "2",
+         "--backup", str(backup), "--backup-every", "4",
+         "--sigterm-in", phase], 2,
+        max_restarts=0, timeout=140, start_timeout=60, grace_period=2)
+    out, err = capsys.readouterr()
+    assert code == 0, out + err
+    for i in (0, 1):
+        assert (f"[worker {i}] keras-mirror: preempted (SIGTERM to a "
+                f"worker): every worker stopped {stopped};") in err
+    assert "restarting all workers after the preemption" in err
+    assert f"StepBackup resumes at {resumed}" in out
+    gap = assert_equal_single_device(tmp_path)
+    print(f"SIGTERM in {phase} + restart: max |w - w_single| = {gap:.3g}")
+
+
 def test_watch_catches_one_sigterm_and_restores_the_handler():
     import os
     import signal

@@ -16,7 +16,8 @@ process (one start-up, one strategy), each into `OUT_DIR/<kind>/`. With
 launcher attempt 0 only (`KERAS_MIRROR_RESTART`), or on every attempt with
 `--kill-always` (once past step S), when its task index is `--kill-worker`
 (default 1). With `--sigterm-at-step S`, worker 1 sends itself SIGTERM (a
-preemption) after step S on attempt 0.
+preemption) after step S on attempt 0; with `--sigterm-in build` while
+`fit` builds the model, with `--sigterm-in end` at the last epoch's end.
 """
 
 import argparse
@@ -100,6 +101,10 @@ def main():
     parser.add_argument("--backup")
     parser.add_argument("--kill-at-step", type=int)
     parser.add_argument("--sigterm-at-step", type=int)
+    parser.add_argument("--sigterm-in", choices=("build", "end"),
+                        help="worker 1 sends itself SIGTERM (attempt 0) "
+                        "while fit builds the model, or at the last "
+                        "epoch's end (after the step backup's)")
     parser.add_argument("--worker-input", default="replicate")
     parser.add_argument("--backup-every", type=int, default=1)
     parser.add_argument("--kill-worker", type=int, default=1)
@@ -154,6 +159,25 @@ def train(args, cpus, kind, epochs, out):
                     step == args.sigterm_at_step and index == 1:
                 print(f"SIGTERM to myself after step {step}", flush=True)
                 os.kill(os.getpid(), signal.SIGTERM)
+
+        def on_epoch_end(self, epoch, logs=None):
+            if args.sigterm_in == "end" and attempt == 0 and index == 1 \
+                    and epoch == epochs - 1:
+                print("SIGTERM to myself at the last epoch's end",
+                      flush=True)
+                os.kill(os.getpid(), signal.SIGTERM)
+
+    if args.sigterm_in == "build" and attempt == 0 and index == 1:
+        from keras_mirror.wrapper import _compile
+
+        ensure_built = _compile.ensure_built
+
+        def signalled_while_building(*a, **k):
+            print("SIGTERM to myself while fit builds", flush=True)
+            os.kill(os.getpid(), signal.SIGTERM)
+            return ensure_built(*a, **k)
+
+        _compile.ensure_built = signalled_while_building
 
     callbacks = []
     if args.backup:
