@@ -229,8 +229,9 @@ class MirroredModel(ReplicaAttributes, _user_model.UserModelState,
         if early is not None:  # SIGTERM is caught while fit prepares too
             early.watch_signals()
         try:
-            return self._fit_prepared(x, y, batch_size, epochs, verbose, callbacks,
-                             validation_data, steps_per_epoch, kwargs)
+            return self._fit_prepared(x, y, batch_size, epochs, verbose,
+                                      callbacks, validation_data,
+                                      steps_per_epoch, kwargs)
         finally:
             if early is not None:  # also when fit raised
                 early.stop_watching()
