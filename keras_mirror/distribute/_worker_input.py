@@ -30,6 +30,7 @@ import tensorflow as tf
 
 from keras_mirror import split
 from keras_mirror.distribute import _virtual_shards
+from keras_mirror.steps import _slicing
 from keras_mirror.wrapper import _inputs
 
 _MARK = "keras_mirror_worker_rows"
@@ -103,10 +104,10 @@ def shard_fit_input(mirrored, x, y, batch_size, kwargs):
     Unchanged unless `worker_input="shard"` on a cluster; else a dataset
     of this worker's rows of each global batch (see the module docstring).
     """
+    if _is_virtual(mirrored, x):  # in one process too: the one path
+        return x.map(lambda *p: {_MARK: p}), y, batch_size, kwargs
     if mirrored.worker_input != "shard" or mirrored.num_workers < 2:
         return x, y, batch_size, kwargs
-    if _is_virtual(mirrored, x):
-        return x.map(lambda *p: {_MARK: p}), y, batch_size, kwargs
     _check(mirrored, x, y, kwargs)
     kwargs = dict(kwargs)
     sw = kwargs.pop("sample_weight", None)
@@ -164,7 +165,8 @@ def _pieces(n_local):
 
 
 def distributed(mirrored, x):
-    """Keras's `x` on a cluster: this worker's rows, read by the strategy.
+    """Keras's `x`: this worker's rows of its virtual shards, read by the
+    strategy (in one process too: the code a cluster runs).
 
     Unchanged unless `x` holds this worker's rows (`shard_fit_input`).
     Then `tf.distribute`'s own distributed dataset of it: each local
@@ -176,8 +178,7 @@ def distributed(mirrored, x):
     worker is, and then the epoch ends on all of them at the same step.
     Nothing is counted ahead, so the input is read once per epoch.
     """
-    if mirrored.num_workers < 2 or not _marked(x) or int(
-            x.cardinality()) >= 0:
+    if not _marked(x) or int(x.cardinality()) >= 0:
         # Arrays' rows: every worker has an element for each of the steps
         # Keras counts, so nothing needs agreeing.
         return x
@@ -198,19 +199,30 @@ def local_rows(data):
     return tf.nest.map_structure(join, data)
 
 
-def assemble(mirrored, data):
-    """The global batch from every worker's rows (a no-op otherwise).
+def _dense(data):
+    return all(isinstance(t, tf.distribute.DistributedValues) and all(
+        isinstance(v, tf.Tensor) for v in t.values)
+        for t in tf.nest.flatten(data) if t is not None)
 
-    Runs in the training step: the strategy's all-gather concatenates
-    every replica's rows in global replica order, which is worker order:
-    the global batch, as every worker would have read it.
+
+def assemble(mirrored, data):
+    """The step's input from every worker's rows (a no-op otherwise).
+
+    Runs in the training step. A distributed element (`distributed`) of
+    dense tensors stays as it is: each replica trains on the rows it
+    received, and only the row counts and what the metrics need cross the
+    network (`ReplicaSteps._shards_of`). Otherwise the strategy's
+    all-gather concatenates every replica's rows in global replica order,
+    which is worker order: the global batch, as every worker would have
+    read it.
     """
     if not isinstance(data, dict) or set(data) != {_MARK}:
         return data
     strategy = mirrored.strategy
     rows = data[_MARK]
-    if not isinstance(tf.nest.flatten(rows)[0],
-                      tf.distribute.DistributedValues):
+    if _slicing.is_per_replica(rows) and _dense(rows):
+        return rows
+    if not _slicing.is_per_replica(rows):
         # A worker's rows in one element (arrays): its first local
         # replica holds them, the others none.
         first = mirrored.local_replica_ids[0]

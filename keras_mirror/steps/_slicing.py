@@ -56,3 +56,11 @@ def twice(t):
     if isinstance(t, tf.RaggedTensor):
         return tf.concat([t, t], axis=0)
     return tf.concat([tf.convert_to_tensor(t)] * 2, axis=0)
+
+
+def is_per_replica(data):
+    """Whether `data` holds each replica's own rows (a distributed
+    dataset's element, `distribute/_worker_input.distributed`)."""
+    leaves = [t for t in tf.nest.flatten(data) if t is not None]
+    return bool(leaves) and isinstance(leaves[0],
+                                       tf.distribute.DistributedValues)

@@ -52,6 +52,7 @@ from keras_mirror.steps import _batchnorm
 from keras_mirror.steps import _metric_weights
 from keras_mirror.steps import _mixing
 from keras_mirror.steps import _scope
+from keras_mirror.steps import _slicing
 from keras_mirror.steps import _stand_in
 from keras_mirror.steps import _tape
 
@@ -195,9 +196,17 @@ def _with_shard(data, flat, present, shard):
 
 
 def _run(mirrored, data, method):
-    flat, present, tensors = _split(data)
-    rows = tf.shape(tensors[0])[0]
-    sizes = mirrored._plan_sizes(rows)
+    own_rows = _slicing.is_per_replica(data)
+    if own_rows:  # each replica's rows, as it received them
+        flat = tf.nest.flatten(data)
+        present = [i for i, t in enumerate(flat) if t is not None]
+        shards, sizes, rows = mirrored._shards_of(
+            [flat[i] for i in present])
+    else:
+        flat, present, tensors = _split(data)
+        rows = tf.shape(tensors[0])[0]
+        sizes = mirrored._plan_sizes(rows)
+        shards = mirrored._distribute(tensors, sizes)
     offsets = split.offsets_tensor(sizes)
     step = getattr(mirrored._inner, method)
     n = mirrored.num_replicas
@@ -223,8 +232,6 @@ def _run(mirrored, data, method):
         vectors = {k: tf.where(shard_rows > 0, v, tf.zeros_like(v))
                    for k, v in vectors.items()}
         return vectors, samples
-
-    shards = mirrored._distribute(tensors, sizes)
 
     def replica_step(shard):
         r = tf.distribute.get_replica_context().replica_id_in_sync_group

@@ -115,9 +115,16 @@ def test_one_process_stream_is_the_reference_batches(data_dir, cpus):
         np.testing.assert_array_equal(gy, wy)
 
 
-@pytest.mark.parametrize("form", ["dataset", "input_fn"])
-def test_one_process_trains_like_the_reference(data_dir, cpus, capfd, form):
-    mirrored = _mirrored(cpus, virtual_shards=V)
+@pytest.mark.parametrize("form, replicas", [
+    ("dataset", 2), ("input_fn", 2),
+    # Each replica trains on the rows it received (1 of 4 holds the last
+    # batch's one row: 3 stand-ins).
+    ("dataset", 4)])
+def test_one_process_trains_like_the_reference(data_dir, cpus, capfd, form,
+                                               replicas):
+    mirrored = MirroredModel(vs_train.model(), devices=cpus[:replicas],
+                             worker_input="shard", virtual_shards=V)
+    mirrored.compile(optimizer=vs_train.optimizer(), loss="mse")
     counter = tf.Variable(0, dtype=tf.int64)
     x = vs_train.pipeline(str(data_dir), counter) if form == "dataset" \
         else vs_train.input_fn(str(data_dir), counter)
