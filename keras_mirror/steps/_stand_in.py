@@ -48,6 +48,7 @@ so real data again), counting for nothing as above, row by row:
 
 import contextlib
 import logging
+import weakref
 
 import keras
 import tensorflow as tf
@@ -69,7 +70,7 @@ _CONVOLUTIONS = tuple(getattr(keras.layers, name) for name in (
     "Conv1D", "Conv2D", "Conv3D", "Conv1DTranspose", "Conv2DTranspose",
     "Conv3DTranspose", "SeparableConv1D", "SeparableConv2D",
     "DepthwiseConv1D", "DepthwiseConv2D") if hasattr(keras.layers, name))
-_LOGGED = set()
+_SAID = weakref.WeakSet()  # the models `row_multiple` said it keeps at 1
 
 
 def row_multiple(model, devices, reductions=None):
@@ -91,8 +92,8 @@ def row_multiple(model, devices, reductions=None):
     if not _compat.onednn_enabled():
         return 1
     if reductions is not None and reductions.extras:
-        if model.name not in _LOGGED:
-            _LOGGED.add(model.name)
+        if model not in _SAID:
+            _SAID.add(model)
             logging.getLogger("keras_mirror").warning(
                 "keras-mirror does not pad odd shards of %r to even ones on "
                 "oneDNN's CPU kernels: its forward pass adds loss terms, "

@@ -288,7 +288,9 @@ class ReplicaSteps:
         packed, present = self._pack(x, y, sw)
         start, packed = arithmetic.step_start(packed, self._stat_keys())
         sizes = self._plan_sizes(rows)
-        multiple = _stand_in.row_multiple(
+        # An XLA-compiled replica work runs XLA's convolutions, not
+        # oneDNN's kernels (and cannot cut a padded shard): no padding.
+        multiple = 1 if _xla.enabled(self) else _stand_in.row_multiple(
             self._inner, self.devices, getattr(self, "_reductions", None))
         shards = self._distribute(packed, sizes, multiple)
         y_pred, loss, stats = self._run_train(shards, present, rows, start,

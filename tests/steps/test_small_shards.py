@@ -118,3 +118,91 @@ def test_issue_resnet_trains_on_4_replicas_as_one_device(tmp_path):
     for key in logs1:
         np.testing.assert_allclose(logs2[key], logs1[key], rtol=2e-5,
                                    atol=2e-6, err_msg=key)
+
+
+# -- the padding plan (`_stand_in.bounds`, `_stand_in.shard`) ----------------
+
+@pytest.mark.parametrize("sizes,multiple,starts,runs", [
+    ([4, 4, 3, 3], 2, [0, 4, 8, 11], [4, 4, 4, 4]),
+    ([1, 1, 1, 0], 2, [0, 1, 2, 0], [2, 2, 2, 2]),
+    ([5, 0, 2, 7], 2, [0, 0, 5, 7], [6, 2, 2, 8]),
+    ([1, 1, 1, 0], 1, [0, 1, 2, 0], [1, 1, 1, 1]),  # unpadded: as before
+    ([3, 0], 4, [0, 0], [4, 4]),
+])
+def test_padding_plan(sizes, multiple, starts, runs):
+    got_starts, got_runs = _stand_in.bounds(tf.constant(sizes), multiple)
+    assert got_starts.numpy().tolist() == starts
+    assert got_runs.numpy().tolist() == runs
+
+
+def _rows_of(t):
+    if isinstance(t, tf.SparseTensor):
+        t = tf.sparse.to_dense(t)
+    if isinstance(t, tf.RaggedTensor):
+        t = t.to_tensor()
+    return t.numpy()[:, 0].tolist()
+
+
+@pytest.mark.parametrize("kind", ["dense", "sparse", "ragged"])
+def test_padded_shards_are_the_shard_then_the_rows_after_it(kind):
+    """A global batch of 3 on 4 replicas (1/1/1/0), padded to 2 rows each:
+    each shard's real row first, then the next rows, wrapping around."""
+    values = tf.constant([[10.0], [11.0], [12.0]])
+    t = dict(dense=values, sparse=tf.sparse.from_dense(values),
+             ragged=tf.RaggedTensor.from_tensor(values))[kind]
+    starts, runs = _stand_in.bounds(tf.constant([1, 1, 1, 0]), 2)
+    shards = [_rows_of(_stand_in.shard(t, starts[r], runs[r], 3))
+              for r in range(4)]
+    assert shards == [[10.0, 11.0], [11.0, 12.0], [12.0, 10.0],
+                      [10.0, 11.0]]
+
+
+def test_unpadded_cuts_to_the_shard_and_keeps_masks():
+    t = tf.reshape(tf.range(12.0), [4, 3])
+    mask = tf.constant([[True, False, True]] * 4)
+    _compat.set_mask(t, mask)
+    for rows, keep in ((3, 3), (1, 1), (0, 1)):
+        x, y, none = _stand_in.unpadded((t, t[:, :1], None), rows)
+        assert none is None
+        assert x.numpy().tolist() == t.numpy()[:keep].tolist()
+        assert y.numpy().tolist() == t.numpy()[:keep, :1].tolist()
+        assert _compat.get_mask(x).numpy().tolist() == \
+            mask.numpy()[:keep].tolist()
+
+
+def _conv_model():
+    return keras.Sequential([keras.Input((6, 6, 3)),
+                             keras.layers.Conv2D(2, 1, strides=2),
+                             keras.layers.Flatten(), keras.layers.Dense(1)])
+
+
+CPU4 = [f"/device:CPU:{i}" for i in range(4)]
+
+
+@pytest.mark.parametrize("onednn,model,devices,extras,multiple", [
+    (True, _conv_model, CPU4, (), 2),
+    (False, _conv_model, CPU4, (), 1),  # TF_ENABLE_ONEDNN_OPTS=0
+    (True, lambda: keras.Sequential([keras.Input((3,)),
+                                     keras.layers.Dense(1)]), CPU4, (), 1),
+    (True, _conv_model, ["/device:GPU:0", "/device:GPU:1"], (), 1),
+    (True, _conv_model, CPU4, (_reductions.MEAN,), 1),  # an add_loss term
+])
+def test_row_multiple(monkeypatch, onednn, model, devices, extras, multiple):
+    monkeypatch.setattr(_compat, "onednn_enabled", lambda: onednn)
+    reductions = _reductions.Reductions(extras=extras)
+    assert _stand_in.row_multiple(model(), devices, reductions) == multiple
+
+
+def test_row_multiple_says_once_why_it_does_not_pad(monkeypatch, caplog):
+    monkeypatch.setattr(_compat, "onednn_enabled", lambda: True)
+    model = _conv_model()
+    reductions = _reductions.Reductions(extras=(_reductions.SUM,))
+    with caplog.at_level("WARNING", logger="keras_mirror"):
+        for _ in range(2):
+            assert _stand_in.row_multiple(model, CPU4, reductions) == 1
+    assert [r.getMessage() for r in caplog.records] == [
+        f"keras-mirror does not pad odd shards of {model.name!r} to even "
+        "ones on oneDNN's CPU kernels: its forward pass adds loss terms, "
+        "which the stand-in rows would change. TF 2.21's oneDNN "
+        "convolution backprop can abort on odd batches (docs/onednn.md); "
+        "set TF_ENABLE_ONEDNN_OPTS=0 to avoid it."]
