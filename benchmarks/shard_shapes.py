@@ -1,5 +1,6 @@
 # ruff: noqa: E501, E741
-"""Which shard shapes make TensorFlow's oneDNN CPU kernels fail? (issue 26, section 2)
+"""Which shard shapes make TensorFlow's oneDNN CPU kernels fail? (issue 26, section 2;
+issue 37: the conv matrix, `conv-matrix`, strides/kernels/padding/sizes/rows)
 
 Plain Keras, one device, no keras_mirror.  Every case (layer kind x rows x
 channels) runs in its own child process, so a SIGABRT/SIGSEGV only kills that
@@ -22,6 +23,10 @@ Usage (driver):
                              [--repeat N] [--onednn-off] [--out results.jsonl]
   python shard_shapes.py rerun-failures   # each failing case 3x on, 3x oneDNN off
   python shard_shapes.py report           # writes results.md from the jsonl files
+  python shard_shapes.py conv-matrix --part core|variants|edge|resnet
+                          [--repeat N] [--onednn-off]   # issue 37: Conv2D
+  python shard_shapes.py conv-off [--repeat N]  # its failures, oneDNN off
+  python shard_shapes.py conv-report    # conv_matrix.md and conv_matrix.json
 Child (internal):
   python shard_shapes.py case KIND ROWS CHANNELS STAGES
 """
@@ -110,6 +115,11 @@ def build(kind, c):
         return k, layers.Dense(1)(t)
 
     ishape, dtype = (8, 8, c), "float32"
+    if kind.startswith("c2d-"):  # the conv matrix (issue 37): see conv_kind
+        return build_conv(kind, c)
+    if kind in ("resnet12", "resnet12_sync"):  # issue 37's ResNet
+        inp, out = resnet12(c, kind == "resnet12_sync")
+        return inp, out, out, ((12, 12, c), "float32")
     if kind == "conv2d":
         inp = keras.Input(ishape)
         k = layers.Conv2D(5, 3, padding="same")(inp)
@@ -226,6 +236,64 @@ def build(kind, c):
     else:
         raise ValueError(f"unknown kind {kind}")
     return inp, k, out, (ishape, dtype)
+
+
+def conv_kind(stride, kernel, padding, spatial, bn, stem):
+    """The kind string of one conv-matrix case (`c2d-s2-k3-same-12-bn-stem`)."""
+    return (f"c2d-s{stride}-k{kernel}-{padding}-{spatial}"
+            f"{'-bn' if bn else ''}{'-stem' if stem else ''}")
+
+
+def parse_conv_kind(kind):
+    parts = kind.split("-")
+    return dict(stride=int(parts[1][1:]), kernel=int(parts[2][1:]),
+                padding=parts[3], spatial=int(parts[4]), bn="bn" in parts,
+                stem="stem" in parts)
+
+
+def build_conv(kind, c):
+    """Input (spatial x spatial x 3) [-> stem Conv2D(8, 3) -> ReLU] -> the
+    tested Conv2D(c, kernel, stride, padding) [-> BatchNormalization] ->
+    ReLU -> global average pool -> Dense(1).  With the stem, the tested
+    convolution's input needs a gradient too (Conv2DBackpropInput), as in a
+    ResNet's inner layers."""
+    import keras
+    from keras import layers
+
+    p = parse_conv_kind(kind)
+    ishape = (p["spatial"], p["spatial"], 3)
+    inp = keras.Input(ishape)
+    t = inp
+    if p["stem"]:
+        t = layers.ReLU()(layers.Conv2D(8, 3, padding="same")(t))
+    k = layers.Conv2D(c, p["kernel"], strides=p["stride"],
+                      padding=p["padding"], use_bias=not p["bn"])(t)
+    if p["bn"]:
+        k = layers.BatchNormalization()(k)
+    t = layers.GlobalAveragePooling2D()(layers.ReLU()(k))
+    return inp, k, layers.Dense(1)(t), (ishape, "float32")
+
+
+def resnet12(c, sync):
+    """Issue 37's model: a small ResNet, strided 3x3 convolutions, 12x12."""
+    import keras
+    from keras import layers
+
+    inp = keras.Input((12, 12, c))
+    t = layers.Conv2D(8, 3, padding="same", use_bias=False)(inp)
+    t = layers.ReLU()(layers.BatchNormalization(synchronized=sync)(t))
+    for f, st in ((8, 1), (16, 2), (32, 2)):
+        a = layers.Conv2D(f, 3, strides=st, padding="same", use_bias=False)(t)
+        a = layers.ReLU()(layers.BatchNormalization(synchronized=sync)(a))
+        a = layers.Conv2D(f, 3, padding="same", use_bias=False)(a)
+        a = layers.BatchNormalization(synchronized=sync)(a)
+        sc = t
+        if st != 1 or f != t.shape[-1]:
+            sc = layers.Conv2D(f, 1, strides=st, use_bias=False)(t)
+            sc = layers.BatchNormalization(synchronized=sync)(sc)
+        t = layers.ReLU()(layers.Add()([a, sc]))
+    out = layers.Dense(1)(layers.GlobalAveragePooling2D()(t))
+    return inp, out
 
 
 SKIP = (
@@ -459,6 +527,41 @@ def make_record(rec, rc, lines, err):
     return rec
 
 
+# The conv matrix (issue 37 item 5).  The 2 shared cores give it ~12 minutes,
+# so it is sampled: the "core" grid (every stride/kernel/padding, 8 spatial
+# sizes, rows 1..8, the stem on: the tested conv's input needs a gradient,
+# as in a ResNet) first, then BatchNorm and no-stem variants on the strided
+# cases only, where the core grid fails.
+CONV_SPATIAL = (4, 5, 6, 7, 8, 11, 12, 16)
+CONV_ROWS = tuple(range(1, 9))
+CONV_CHANNELS = 16
+EDGE_ROWS = (9, 10, 11, 12, 13, 15, 16, 17, 31, 32, 59)
+
+
+def conv_cases(part):
+    if part == "core":
+        combos = [(s, k, p, sp, False, True) for s in (1, 2) for k in (1, 3)
+                  for p in ("same", "valid") for sp in CONV_SPATIAL]
+    elif part == "edge":  # the failing kind: more sizes, larger batches
+        combos = [(2, 1, p, sp, False, True) for p in ("same", "valid")
+                  for sp in (10, 14, 24, 32)] + [
+                      (2, 1, "same", sp, False, True) for sp in (12, 16)]
+        return [(conv_kind(*combo), rows, CONV_CHANNELS, "tob")
+                for combo in combos for rows in EDGE_ROWS]
+    elif part == "variants":  # BatchNorm after it; no stem before it
+        combos = [(2, 1, p, sp, bn, stem) for p in ("same", "valid")
+                  for sp in (12, 16)
+                  for bn, stem in ((True, True), (False, False))]
+    elif part == "resnet":
+        return [(kind, rows, 3, "tob") for kind in ("resnet12_sync",
+                                                    "resnet12")
+                for rows in CONV_ROWS]
+    else:
+        raise ValueError(f"unknown part {part}")
+    return [(conv_kind(*combo), rows, CONV_CHANNELS, "tob")
+            for combo in combos for rows in CONV_ROWS]
+
+
 def json_lines(out):
     return [json.loads(l) for l in out.splitlines() if l.startswith("{")]
 
@@ -558,10 +661,17 @@ def matrix(kinds, rows_list, channels):
                     yield kind, rows, c, st
 
 
-def drive(cases, out_path, repeat=1, onednn_off=False, batch=False):
-    """Run cases (2 children at a time) and append records to `out_path`."""
+def drive(cases, out_path, repeat=1, onednn_off=False, batch=False,
+          chunk=None):
+    """Run cases (2 children at a time) and append records to `out_path`.
+
+    `chunk`: with `batch`, `chunk` cases per child instead of one child per
+    (kind, channels)."""
     cases = [c for c in cases for _ in range(repeat)]
-    if batch:  # one child per (kind, channels) group
+    if batch and chunk:
+        jobs = [(run_batch, cases[i:i + chunk])
+                for i in range(0, len(cases), chunk)]
+    elif batch:  # one child per (kind, channels) group
         groups = {}
         for c in cases:
             groups.setdefault((c[0], c[2]), []).append(c)
@@ -728,6 +838,75 @@ def report(main_path, rerun_path, md_path):
     print("\n".join(lines))
 
 
+def conv_report():
+    """conv_matrix.md and conv_matrix.json from conv_matrix.jsonl."""
+    recs = load(os.path.join(HERE, "conv_matrix.jsonl"))
+    cells = {}
+    for r in recs:
+        cells.setdefault((r["kind"], r["onednn"]), {}).setdefault(
+            r["rows"], []).append(short(r).replace("tob:", ""))
+    kinds = sorted({k for k, _ in cells}, key=lambda k: (
+        k.startswith("resnet"), k.split("-")[1:3], k))
+    rows_list = sorted({r["rows"] for r in recs})
+    runs_on = [r for r in recs if r["onednn"]]
+    bad_on = [r for r in runs_on if r["outcome"] != "ok"]
+    runs_off = [r for r in recs if not r["onednn"]]
+    bad_off = [r for r in runs_off if r["outcome"] != "ok"]
+    even_bad = [r for r in bad_on if r["rows"] % 2 == 0]
+    lines = [
+        "# Conv2D shapes vs TF 2.21 oneDNN CPU kernels (issue 37)",
+        "",
+        "Generated by `shard_shapes.py conv-report` from `conv_matrix.jsonl`."
+        " Plain Keras,",
+        "one CPU device, no keras-mirror: each case builds input (s x s x 3)"
+        " [-> `stem` Conv2D(8, 3) -> ReLU]",
+        "-> the tested Conv2D(16, k, stride, padding) [-> `bn`"
+        " BatchNormalization] -> ReLU -> GAP -> Dense(1)",
+        "and runs `train_on_batch` 3 times on `rows` rows. `resnet12`:"
+        " issue 37's ResNet (strided 3x3 convs,",
+        "strided 1x1 shortcuts, 12x12, plain or synchronized BN). Children"
+        " run up to 48 cases, restarted after",
+        "a crash (`nice -n 10`, 2 at a time, 2 shared cores). Cell: every"
+        " run's outcome, `ok`, `SIGABRT`,",
+        "`SIGSEGV`, `Aborted` (`AbortedError` in `Conv2DBackpropFilter`,"
+        " \"could not create a primitive",
+        "descriptor for the reorder primitive\"), `-` = not run. A crash"
+        " is put on the case its child was running; the pattern (odd"
+        " batches only) and the one-case reproduction in `docs/onednn.md`"
+        " agree.",
+        "",
+        f"oneDNN on: {len(bad_on)} of {len(runs_on)} runs failed, "
+        f"{len(even_bad)} of them on an even batch. "
+        f"TF_ENABLE_ONEDNN_OPTS=0 (every failing case and the ResNets "
+        f"again): {len(bad_off)} of {len(runs_off)} failed.",
+        "",
+    ]
+    for onednn in (True, False):
+        shown = [k for k in kinds if (k, onednn) in cells]
+        if not shown:
+            continue
+        lines += [f"## oneDNN {'on (default)' if onednn else 'off'}", "",
+                  "| case | " + " | ".join(map(str, rows_list)) + " |",
+                  "|---|" + "---|" * len(rows_list)]
+        for k in shown:
+            row = cells[(k, onednn)]
+            lines.append(f"| {k} | " + " | ".join(
+                "/".join(sorted(set(row[n]))) if n in row else "-"
+                for n in rows_list) + " |")
+        lines.append("")
+    with open(os.path.join(HERE, "conv_matrix.md"), "w") as f:
+        f.write("\n".join(lines))
+    summary = dict(
+        runs_onednn_on=len(runs_on), failed_onednn_on=len(bad_on),
+        failed_even_rows_onednn_on=len(even_bad),
+        runs_onednn_off=len(runs_off), failed_onednn_off=len(bad_off),
+        failing_cases=sorted({(r["kind"], r["rows"]) for r in bad_on}),
+        outcomes_onednn_on=sorted({short(r) for r in bad_on}))
+    with open(os.path.join(HERE, "conv_matrix.json"), "w") as f:
+        json.dump(summary, f, indent=1)
+    print("\n".join(lines))
+
+
 def key(r):
     return (r["kind"], r["rows"], r["channels"], r["stages"])
 
@@ -764,7 +943,11 @@ def main(argv):
     import argparse
 
     ap = argparse.ArgumentParser()
-    ap.add_argument("cmd", choices=["run", "rerun-failures", "report"])
+    ap.add_argument("cmd", choices=["run", "rerun-failures", "report",
+                                    "conv-matrix", "conv-off",
+                                    "conv-report"])
+    ap.add_argument("--part", default="core",
+                    help="conv-matrix: core, variants or resnet")
     ap.add_argument("--kinds")
     ap.add_argument("--rows")
     ap.add_argument("--channels")
@@ -800,6 +983,19 @@ def main(argv):
             c for c in cases if c + (not a.onednn_off,) not in have
         ]  # resume
         drive(cases, a.out, a.repeat, a.onednn_off, a.batch)
+    elif a.cmd == "conv-matrix":
+        out = os.path.join(HERE, "conv_matrix.jsonl")
+        drive(conv_cases(a.part), out, a.repeat, a.onednn_off, batch=True,
+              chunk=48)
+    elif a.cmd == "conv-off":  # every non-ok case again, oneDNN off
+        out = os.path.join(HERE, "conv_matrix.jsonl")
+        recs = load(out)
+        bad = sorted({key(r) for r in recs
+                      if r["outcome"] != "ok" and r["onednn"]})
+        bad += conv_cases("resnet")
+        drive(bad, out, a.repeat, onednn_off=True, batch=True, chunk=48)
+    elif a.cmd == "conv-report":
+        conv_report()
     elif a.cmd == "rerun-failures":
         # crashes (signal, timeout, AbortedError) and any failure with rows > 0:
         # 3 single children with oneDNN on, 3 with it off.  0-row exceptions are

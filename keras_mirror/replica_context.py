@@ -66,8 +66,11 @@ class ReplicaContext:
                  global_batch_size, distributed=False, options=None,
                  gradient_dtype=None, offset=None,
                  shares_after_gradient=False, traced_once=False,
-                 compiled=False):
+                 compiled=False, run_rows=None):
         self.replica_id = replica_id
+        # The rows the replica's model runs where a shard is padded with
+        # stand-in rows (`steps/_stand_in.py`, oneDNN), else None.
+        self._run_rows = run_rows
         # Inside an XLA-compiled replica function: shapes must be known when
         # it compiles (`steps/_random.py` draws the global batch's rows).
         self._compiled = compiled

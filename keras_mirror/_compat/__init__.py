@@ -13,8 +13,9 @@ safe-mode loading that keras-mirror's saving relies on).
 By owner: `keras_training` (Keras's trainer, optimizers, losses and
 compiled metrics), `keras_backend` (variables, masks, random draws, the TF
 backend's functions), `tf_distribute` (TensorFlow's strategies and
-`tf.data` sharding); `_base` holds the version range and the checks. Every
-name is re-exported here: callers write `_compat.<name>`.
+`tf.data` sharding), `tf_kernels` (whether oneDNN runs); `_base` holds the
+version range and the checks. Every name is re-exported here: callers write
+`_compat.<name>`.
 """
 
 from keras_mirror._compat._base import SUPPORTED_KERAS as SUPPORTED_KERAS
@@ -153,3 +154,7 @@ from keras_mirror._compat.tf_distribute import (
 )
 from keras_mirror._compat.tf_distribute import dataset_graph as dataset_graph
 from keras_mirror._compat.tf_distribute import worker_device as worker_device
+from keras_mirror._compat.tf_kernels import _TF_ONEDNN_PROBE as _TF_ONEDNN_PROBE
+from keras_mirror._compat.tf_kernels import _TF_PORT_MODULE as _TF_PORT_MODULE
+from keras_mirror._compat.tf_kernels import onednn_by_rule as onednn_by_rule
+from keras_mirror._compat.tf_kernels import onednn_enabled as onednn_enabled

@@ -45,16 +45,17 @@ def two_pass_moments(replica_ctx, x, axes, keepdims):
     One device's arithmetic (`tf.nn.moments`: the mean, then the mean of
     squared differences), not Keras's synchronized one (the mean of squares
     minus the squared mean), which loses digits on a few rows of large
-    values. A stand-in replica's terms are multiplied by 0.
+    values. A stand-in row's terms are multiplied by 0 (all of a stand-in
+    replica's, and a padded shard's extra rows: `_stand_in.row_keep`).
     """
-    stand_in = _stand_in.is_stand_in()
-    keep = tf.constant(1.0, x.dtype) if stand_in is None else tf.cast(
-        tf.logical_not(stand_in), x.dtype)
+    keep = _stand_in.row_keep(x)
+    if keep is None:
+        keep = tf.constant(1.0, x.dtype)
 
     def total(t):
         return replica_ctx.all_reduce(
             tf.distribute.ReduceOp.SUM,
-            tf.reduce_sum(t, axis=axes, keepdims=True) * keep)
+            tf.reduce_sum(t * keep, axis=axes, keepdims=True))
 
     count = total(tf.ones_like(x))
     mean = tf.math.divide_no_nan(total(x), count)

@@ -91,6 +91,13 @@ def _static(shape):
                            for d in shape])
 
 
+def _run_rows(ctx, real):
+    """The rows the replica's model runs: its shard and any stand-in rows
+    (`ReplicaContext._run_rows`, None where they are the shard's)."""
+    run = getattr(ctx, "_run_rows", None)
+    return real if run is None else tf.cast(run, tf.int32)
+
+
 def _rows(draw, shape, ctx, rows_at=None):
     """`draw(shape)`, with the global batch's rows when shaped like a shard.
 
@@ -104,18 +111,21 @@ def _rows(draw, shape, ctx, rows_at=None):
     if split is None:
         return draw(shape)
     lead, rest = split
-    b = tf.cast(ctx.shard_size, tf.int32)
+    real = tf.cast(ctx.shard_size, tf.int32)
+    # A padded shard (`_stand_in.bounds`) runs `b` rows: its `real` ones,
+    # then stand-in rows, which get the draws of the rows after them.
+    b = _run_rows(ctx, real)
     big_b = tf.cast(ctx.global_batch_size, tf.int32)
     offset = tf.cast(ctx.offset, tf.int32)
     safe_b = tf.maximum(b, 1)
     blocks = lead // safe_b
-    exact = (b > 0) & (lead > 0) & (tf.math.floormod(lead, safe_b) == 0)
+    exact = (real > 0) & (lead > 0) & (tf.math.floormod(lead, safe_b) == 0)
 
     def global_rows():
         full = draw(tf.concat([[blocks * big_b], rest], 0))
         index = tf.reshape(tf.range(blocks)[:, None] * big_b + offset
                            + tf.range(b)[None, :], [-1])
-        return tf.gather(full, index)
+        return tf.gather(full, tf.minimum(index, blocks * big_b - 1))
 
     def own_rows():
         def block(j):
@@ -279,14 +289,19 @@ def _replacements(module):
             return originals["categorical"](value, num_samples, dtype=dtype,
                                             seed=drawn)
 
+        run = _run_rows(ctx, b)
+
         def global_rows():
-            padded = tf.pad(logits, [[offset, big_b - offset - b], [0, 0]])
-            return draw(padded)[offset:offset + b]
+            # A padded shard's stand-in rows sample zeros (never used).
+            padded = tf.pad(logits[:b],
+                            [[offset, big_b - offset - b], [0, 0]])
+            out = draw(padded)[offset:offset + b]
+            return tf.pad(out, [[0, run - b], [0, 0]])
 
         if logits.shape.rank != 2:
             return draw(logits)
-        return tf.cond(tf.equal(tf.shape(logits)[0], b), global_rows,
-                       lambda: draw(logits))
+        return tf.cond(tf.equal(tf.shape(logits)[0], run) & (b > 0),
+                       global_rows, lambda: draw(logits))
 
     def shuffle(x, axis=0, seed=None):
         ctx = _context()

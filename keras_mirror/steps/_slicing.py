@@ -21,6 +21,23 @@ def rows(t, start, size):
     return tf.compat.v1.placeholder_with_default(shard, shape=shape)
 
 
+def cyclic_rows(t, start, size, total):
+    """`t`'s rows `(start + i) % total` for `i < size`: a shard, then rows
+    after it, wrapping to the global batch's first (stand-in rows). A
+    sparse `t` allows `start + size <= 2 * total`."""
+    start = tf.cast(start, tf.int32)
+    size = tf.cast(size, tf.int32)
+    total = tf.cast(total, tf.int32)
+    if isinstance(t, tf.SparseTensor):
+        return _sparse_rows(tf.sparse.concat(0, [t, t]), start, size)
+    index = tf.math.floormod(start + tf.range(size), total)
+    shard = tf.gather(t, index)
+    if isinstance(t, tf.RaggedTensor):
+        return shard
+    shape = [None] + shard.shape.as_list()[1:]
+    return tf.compat.v1.placeholder_with_default(shard, shape=shape)
+
+
 def _sparse_rows(t, start, size):
     rank = tf.shape(t.dense_shape)[0]
     begin = tf.concat([tf.reshape(tf.cast(start, tf.int64), [1]),

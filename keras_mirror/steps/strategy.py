@@ -43,17 +43,20 @@ class ReplicaSteps:
         return split.sizes_tensor(batch_size, self.num_replicas,
                                   self._capacity)
 
-    def _distribute(self, data, sizes):
+    def _distribute(self, data, sizes, multiple=1):
         """Slices each leaf of `data` into the replicas' shards.
 
-        An empty shard gets one stand-in row (`_stand_in`).
+        An empty shard gets one stand-in row (`_stand_in`); with `multiple`
+        2, each shard is padded to an even number of rows.
         """
-        starts, runs = _stand_in.bounds(sizes)
+        starts, runs = _stand_in.bounds(sizes, multiple)
+        total = tf.reduce_sum(sizes) if multiple > 1 else None
 
         def shard(ctx):
             r = ctx.replica_id_in_sync_group
             return tf.nest.map_structure(
-                lambda t: _stand_in.shard(t, starts[r], runs[r]), data)
+                lambda t: _stand_in.shard(t, starts[r], runs[r], total),
+                data)
 
         return self._strategy.experimental_distribute_values_from_function(
             shard)
@@ -87,26 +90,38 @@ class ReplicaSteps:
         return tuple(next(it) if p else None for p in present)
 
     def _context(self, global_rows, sizes, r=None, traced_once=False,
-                 compiled=False):
+                 compiled=False, multiple=1):
         """Makes `replica_context()` describe this replica in its step.
 
         Its shard size is the plan's (0 for a stand-in replica, whose
         tensors hold one row). `r`: the replica id as a tensor argument of
         a function traced once for all replicas (else TF's, a constant).
+        `multiple`: the step's padding (`_distribute`).
         """
         if r is None:
             r = tf.distribute.get_replica_context().replica_id_in_sync_group
+        run_rows = None
+        if multiple > 1:
+            run_rows = tf.gather(_stand_in.bounds(sizes, multiple)[1], r)
         return activate(ReplicaContext(
             r, self.num_replicas, tf.gather(sizes, r), global_rows,
             distributed=True, options=self._comm_options,
             gradient_dtype=self._gradient_dtype,
             offset=tf.gather(split.offsets_tensor(sizes), r),
-            traced_once=traced_once, compiled=compiled))
+            traced_once=traced_once, compiled=compiled, run_rows=run_rows))
 
     @staticmethod
     def _real_rows():
         """This replica's rows of the plan (0: it runs a stand-in row)."""
         return tf.cast(active().shard_size, tf.int32)
+
+    def _forward(self, x, y, sw, multiple):
+        """The model on a shard, in training: `(x, y, y_pred, sw)` with a
+        padded shard's stand-in rows cut off (`_stand_in.unpadded`)."""
+        y_pred = self._inner(x, training=True)
+        if multiple == 1:
+            return x, y, y_pred, sw
+        return _stand_in.unpadded((x, y, y_pred, sw), self._real_rows())
 
     # -- losses ------------------------------------------------------------
 
@@ -158,7 +173,7 @@ class ReplicaSteps:
 
     # -- train -------------------------------------------------------------
 
-    def _traced_work(self, global_rows):
+    def _traced_work(self, global_rows, multiple=1):
         """A replica's forward pass, loss and gradients, traced once.
 
         One function (`_one_trace`; XLA-compiled with `jit_compile`) that
@@ -171,8 +186,8 @@ class ReplicaSteps:
 
         def body(x, y, sw, sizes, r, scale):
             with self._context(global_rows, sizes, r, traced_once=True,
-                               compiled=compiled):
-                y_pred = self._inner(x, training=True)
+                               compiled=compiled, multiple=multiple):
+                x, y, y_pred, sw = self._forward(x, y, sw, multiple)
                 if arithmetic.output_mask(y_pred) is not None:
                     _one_trace.note(_xla.MASKED)
                 contribution, shard = self._replica_loss(
@@ -200,7 +215,7 @@ class ReplicaSteps:
         return y_pred, contribution, shard, None, grads
 
     def _replica_train(self, packed, present, global_rows, start, sizes,
-                       traced=None):
+                       multiple, traced=None):
         x, y, sw = self._unpack(packed, present)
         keys = self._stat_keys()
         variables = self._inner.trainable_weights
@@ -213,10 +228,10 @@ class ReplicaSteps:
             sw = _stand_in.real_rows(sw, rows)
             grads, stats = traced[1](grads, shard, rows, sw, start)
         else:
-            with tf.GradientTape() as tape, self._context(global_rows,
-                                                          sizes):
+            with tf.GradientTape() as tape, self._context(
+                    global_rows, sizes, multiple=multiple):
                 rows = self._real_rows()
-                y_pred = self._inner(x, training=True)
+                x, y, y_pred, sw = self._forward(x, y, sw, multiple)
                 mask = arithmetic.output_mask(y_pred)
                 contribution, shard = self._replica_loss(
                     x, y, y_pred, sw, True, global_rows, mask)
@@ -319,6 +334,9 @@ class ReplicaSteps:
         packed, present = self._pack(x, y, sw)
         own_rows = _slicing.is_per_replica(packed)
         if own_rows:
+            # Each replica's rows as it received them: not padded (the rows
+            # after a shard are another worker's); see docs/onednn.md.
+            multiple = 1
             start = tf.timestamp() if "replica_step_time" in \
                 self._stat_keys() else None
             shards, sizes, rows = self._shards_of(packed)
@@ -326,9 +344,13 @@ class ReplicaSteps:
             rows = arithmetic.batch_rows(x)
             start, packed = arithmetic.step_start(packed, self._stat_keys())
             sizes = self._plan_sizes(rows)
-            shards = self._distribute(packed, sizes)
+            # An XLA-compiled replica work runs XLA's convolutions, not
+            # oneDNN's kernels (and cannot cut a padded shard): no padding.
+            multiple = 1 if _xla.enabled(self) else _stand_in.row_multiple(
+                self._inner, self.devices, getattr(self, "_reductions", None))
+            shards = self._distribute(packed, sizes, multiple)
         y_pred, loss, stats = self._run_train(shards, present, rows, start,
-                                              sizes, packed)
+                                              sizes, multiple, packed)
         self._sync_state()
         y_pred = self._gather_predictions(y_pred)
         if own_rows:
@@ -348,16 +370,17 @@ class ReplicaSteps:
         gather = lambda v: None if v is None else self._gather(v)  # noqa
         return (gather(x) if own_metrics else None), gather(y), gather(sw)
 
-    def _run_train(self, shards, present, rows, start, sizes, data=None):
+    def _run_train(self, shards, present, rows, start, sizes, multiple=1,
+                   data=None):
         """`strategy.run` of the replica step, its work traced once (and
         XLA-compiled) where it can be (`_one_trace`)."""
-        args = (shards, present, rows, start, sizes)
+        args = (shards, present, rows, start, sizes, multiple)
         with _scope.replica_scope(self):
             return _one_trace.run(
                 self,
                 lambda: self._strategy.run(
                     self._replica_train,
-                    args=args + ((self._traced_work(rows),
+                    args=args + ((self._traced_work(rows, multiple),
                                   _one_trace.finisher(self, self._stat_keys())
                                   ),)),
                 lambda: self._strategy.run(self._replica_train, args=args),
