@@ -15,6 +15,7 @@ import stat
 import zipfile
 
 import numpy as np
+import tensorflow as tf
 
 from keras_mirror import errors
 
@@ -56,6 +57,35 @@ def _check_regular(path, mode):
             "device, socket or directory); it cannot be read. Remove "
             "it, or pass another `backup_dir`. "
             f"Received: mode={stat.filemode(mode)}")
+
+
+def fields_of(model_vars, opt_vars):
+    """The fields `StepBackup.save` writes for these variables, by name:
+    `w<i>` and `o<i>` for the model's and optimizers' variables, and the
+    position (the virtual shards' fields are `_virtual_shards`')."""
+    fields = {"position": Field((2,), INTEGER, "the position (epoch, step)")}
+    for prefix, group in (("w", model_vars), ("o", opt_vars)):
+        for i, v in enumerate(group):
+            fields[f"{prefix}{i}"] = Field(
+                tuple(v.shape), tf.as_dtype(v.dtype).as_numpy_dtype,
+                f"variable {v.path!r}")
+    return fields
+
+
+def count_mismatch(keys, model_vars, opt_vars):
+    """How a backup of another model differs in its numbers of variables
+    (None if it does not)."""
+    counts = (sum(_is_key(k, "w") for k in keys),
+              sum(_is_key(k, "o") for k in keys))
+    if counts == (len(model_vars), len(opt_vars)):
+        return None
+    return (f"it holds {counts[0]} model and {counts[1]} optimizer "
+            f"variables, the model and optimizer have {len(model_vars)} "
+            f"and {len(opt_vars)}")
+
+
+def _is_key(key, prefix):
+    return key.startswith(prefix) and key[len(prefix):].isdigit()
 
 
 def create_new(path):
@@ -202,8 +232,3 @@ def _show_shape(shape):
 
 def _show_dtype(dtype):
     return dtype.name if dtype.kind in "biufc" else str(dtype)
-
-
-def show(value):
-    text = repr(np.asarray(value).tolist())
-    return text if len(text) <= 80 else text[:77] + "..."

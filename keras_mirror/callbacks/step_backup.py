@@ -9,13 +9,15 @@ epoch)`. The model's state includes every variable, not only its
 weights: the seed generators' states too, so that `Dropout` and other
 random layers draw the same numbers after a resume. When
 `MirroredModel.fit` is given a `StepBackup` whose directory holds a backup,
-it checks the whole backup against the model (a backup that is truncated or
-does not fit raises `StepBackupError` naming the file, before anything is
-assigned), restores it and resumes at that position on the batches an
-uninterrupted run would read from there (`validation_split` and
+it checks every field's shape and dtype (from its header, before its
+data; a backup that is truncated, not a regular file or does not fit raises
+`StepBackupError` naming the file and field, nothing assigned), restores
+it and resumes at that position on the batches an uninterrupted run would
+read from there (`validation_split` and
 `steps_per_epoch` included, see `keras_mirror.wrapper._resume`), so the run ends
 with the same step count and weights as an uninterrupted one.
 
+A plain `keras.Model.fit` cannot resume: it raises at `on_train_begin`.
 At `on_train_begin` the directory is created and checked with a probe
 file and its free space (an unwritable or full directory raises
 `BackupDirectoryError` naming it before the first step), and temporary
@@ -43,7 +45,6 @@ import zlib
 
 import keras
 import numpy as np
-import tensorflow as tf
 
 from keras_mirror import errors
 from keras_mirror.callbacks import _backup_fields
@@ -159,7 +160,8 @@ class StepBackup(keras.callbacks.Callback):
         read; StepBackupError if unreadable or if a field does not fit."""
         try:
             return _backup_fields.read(
-                self.path, self._expected(variables), self._mismatch,
+                self.path, _backup_fields.fields_of(*variables),
+                self._mismatch,
                 optional=_virtual_shards.BACKUP_FIELDS,
                 first_check=lambda keys: self._check_counts(keys, variables))
         except errors.StepBackupError:
@@ -173,29 +175,11 @@ class StepBackup(keras.callbacks.Callback):
                 "checkpoint), or pass another `backup_dir`. "
                 f"Received: backup_dir={self.backup_dir!r}") from None
 
-    @staticmethod
-    def _expected(variables):
-        """The fields `save` writes for `variables`, by name."""
-        model_vars, opt_vars = variables
-        fields = {"position": _backup_fields.Field(
-            (2,), _backup_fields.INTEGER, "the position (epoch, step)")}
-        for prefix, group in (("w", model_vars), ("o", opt_vars)):
-            for i, v in enumerate(group):
-                fields[f"{prefix}{i}"] = _backup_fields.Field(
-                    tuple(v.shape), tf.as_dtype(v.dtype).as_numpy_dtype,
-                    f"variable {v.path!r}")
-        return fields
-
     def _check_counts(self, keys, variables):
         """A backup of another model: its numbers of variables."""
-        model_vars, opt_vars = variables
-        counts = (sum(_is_key(k, "w") for k in keys),
-                  sum(_is_key(k, "o") for k in keys))
-        if counts != (len(model_vars), len(opt_vars)):
-            raise self._mismatch(
-                f"it holds {counts[0]} model and {counts[1]} optimizer "
-                f"variables, the model and optimizer have "
-                f"{len(model_vars)} and {len(opt_vars)}")
+        detail = _backup_fields.count_mismatch(keys, *variables)
+        if detail:
+            raise self._mismatch(detail)
 
     def _mismatch(self, detail):
         return errors.StepBackupError(
@@ -414,10 +398,6 @@ def _iterations(mirrored):
         if optimizer is not None:
             return int(optimizer.iterations.numpy())
     return 0
-
-
-def _is_key(key, prefix):
-    return key.startswith(prefix) and key[len(prefix):].isdigit()
 
 
 def _remove_quietly(path):

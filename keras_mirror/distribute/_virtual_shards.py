@@ -324,10 +324,10 @@ def _saved_shards(arrays, path, now):
                             now)
         value = arrays[key]
         if value.dtype.kind not in "iu" or value.ndim != len(shape):
+            kind = "one integer" if not shape else "a vector of integers"
             raise _mismatch(
-                path, f"field {key!r} ({what}) must be integers with "
-                f"{len(shape)} dimension(s). Received: {key} of shape "
-                f"{value.shape} and dtype {value.dtype}", now)
+                path, f"field {key!r} ({what}) must be {kind}. Received: "
+                f"{key} of shape {value.shape} and dtype {value.dtype}", now)
     saved, positions = (arrays[k] for k in BACKUP_FIELDS)
     if int(saved) < 1 or positions.shape != (int(saved),) or \
             bool((positions < 0).any()):
