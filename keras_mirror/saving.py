@@ -263,6 +263,13 @@ def load_model(filepath, devices=None, custom_objects=None, compile=True,
     loads it with `safe_mode=True`. The process-wide safe-mode setting is
     left as it was.
 
+    Every member of the archive is read through first (its CRC-32 checked)
+    and held to a limit, by its declared size and by the bytes it really
+    decompresses to: `MAX_JSON_BYTES` (64 MiB) for `config.json` and
+    `metadata.json`, `MAX_MEMBER_BYTES` (64 GiB) for the weights and each
+    asset. Both are attributes of `keras_mirror.saving`, to raise for a
+    file you trust.
+
     Args:
         filepath: str or path-like. A `.keras` file.
         devices: list of str, or None. When given, the loaded model is
@@ -278,8 +285,9 @@ def load_model(filepath, devices=None, custom_objects=None, compile=True,
         A `keras.Model`, or a `MirroredModel` when `devices` is given.
 
     Raises:
-        UnsafeModelError: the file is not a `.keras` zip archive, or its
-            config names code outside Keras.
+        UnsafeModelError: the file is not a `.keras` zip archive, its
+            config names code outside Keras, or a member is over its limit.
+        ModelFileError: the file is empty, truncated or corrupt.
         FileNotFoundError: no such local file.
 
     Example:
