@@ -360,6 +360,30 @@ def test_bfloat16_fields_read_back_as_bfloat16(tmp_path):
         _backup_fields.read(str(tmp_path / _FILE), fields, ValueError)
 
 
+def test_bfloat16_model_resumes_exactly(cpus, tmp_path):
+    # On main: "ValueError: No cast function available" from `assign`.
+    def run(epochs, callbacks=()):
+        keras.utils.set_random_seed(0)
+        model = keras.Sequential([keras.Input((6,)),
+                                  keras.layers.Dense(4, dtype="bfloat16"),
+                                  keras.layers.Dense(3)])
+        mirrored = keras_mirror.MirroredModel(model, devices=cpus)
+        mirrored.compile(optimizer="sgd", loss="mse")
+        kwargs = dict(_fit_kwargs(), epochs=epochs)
+        mirrored.fit(callbacks=list(callbacks), **kwargs)
+        return mirrored
+
+    run(1, [StepBackup(tmp_path, delete_on_train_end=False)])
+    resumed = run(2, [StepBackup(tmp_path)])
+    reference = run(2)
+    assert resumed.model.variables[0].dtype == "bfloat16"
+    assert int(resumed.optimizer.iterations.numpy()) == 12
+    for a, b in zip(resumed.model.get_weights(),
+                    reference.model.get_weights()):
+        assert np.array_equal(np.asarray(a, "float32"),
+                              np.asarray(b, "float32"))
+
+
 # -- StepBackup outside `MirroredModel.fit` --------------------------------
 
 def test_plain_model_fit_refuses_step_backup_before_touching_it(tmp_path):
