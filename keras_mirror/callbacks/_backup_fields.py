@@ -72,16 +72,28 @@ def fields_of(model_vars, opt_vars):
     return fields
 
 
-def count_mismatch(keys, model_vars, opt_vars):
-    """How a backup of another model differs in its numbers of variables
-    (None if it does not)."""
+def check_counts(keys, model_vars, opt_vars, mismatch):
+    """Raises `mismatch(detail)` for a backup of another model: one whose
+    numbers of variables differ."""
     counts = (sum(_is_key(k, "w") for k in keys),
               sum(_is_key(k, "o") for k in keys))
-    if counts == (len(model_vars), len(opt_vars)):
-        return None
-    return (f"it holds {counts[0]} model and {counts[1]} optimizer "
+    if counts != (len(model_vars), len(opt_vars)):
+        raise mismatch(
+            f"it holds {counts[0]} model and {counts[1]} optimizer "
             f"variables, the model and optimizer have {len(model_vars)} "
             f"and {len(opt_vars)}")
+
+
+def needs_mirrored_fit(model):
+    """The error of a `StepBackup` in a fit other than `MirroredModel.fit`
+    (which alone can restart the input where the backup was written)."""
+    return ValueError(
+        "`StepBackup` needs `MirroredModel.fit`: it resumes by restarting "
+        "the input where the backup was written, which a plain "
+        "`Model.fit` cannot do. Wrap the model "
+        "(`keras_mirror.MirroredModel(model).fit(...)`) or use "
+        "`keras.callbacks.BackupAndRestore`. "
+        f"Received: model={type(model).__name__}")
 
 
 def _is_key(key, prefix):

@@ -17,7 +17,6 @@ read from there (`validation_split` and
 `steps_per_epoch` included, see `keras_mirror.wrapper._resume`), so the run ends
 with the same step count and weights as an uninterrupted one.
 
-A plain `keras.Model.fit` cannot resume: it raises at `on_train_begin`.
 At `on_train_begin` the directory is created and checked with a probe
 file and its free space (an unwritable or full directory raises
 `BackupDirectoryError` naming it before the first step), and temporary
@@ -155,15 +154,14 @@ class StepBackup(keras.callbacks.Callback):
         _files.fsync(self.backup_dir)  # the rename itself
 
     def _read(self, variables):
-        """The backup's arrays by field, every field checked against this
-        model, optimizer and run (see `_backup_fields`) before its data is
-        read; StepBackupError if unreadable or if a field does not fit."""
+        """The backup's fields, checked (`_backup_fields.read`)."""
         try:
             return _backup_fields.read(
                 self.path, _backup_fields.fields_of(*variables),
                 self._mismatch,
                 optional=_virtual_shards.BACKUP_FIELDS,
-                first_check=lambda keys: self._check_counts(keys, variables))
+                first_check=lambda keys: _backup_fields.check_counts(
+                    keys, *variables, self._mismatch))
         except errors.StepBackupError:
             raise
         except (OSError, ValueError, EOFError, KeyError,
@@ -174,12 +172,6 @@ class StepBackup(keras.callbacks.Callback):
                 "Delete it to train from the start (or from your last "
                 "checkpoint), or pass another `backup_dir`. "
                 f"Received: backup_dir={self.backup_dir!r}") from None
-
-    def _check_counts(self, keys, variables):
-        """A backup of another model: its numbers of variables."""
-        detail = _backup_fields.count_mismatch(keys, *variables)
-        if detail:
-            raise self._mismatch(detail)
 
     def _mismatch(self, detail):
         return errors.StepBackupError(
@@ -271,16 +263,8 @@ class StepBackup(keras.callbacks.Callback):
     # -- callback ----------------------------------------------------------
 
     def on_train_begin(self, logs=None):
-        if not self._in_mirrored_fit:
-            # Resuming skips the batches already trained on, which only
-            # `MirroredModel.fit` can do: refused before anything is touched.
-            raise ValueError(
-                "`StepBackup` needs `MirroredModel.fit`: it resumes by "
-                "restarting the input where the backup was written, which "
-                "a plain `Model.fit` cannot do. Wrap the model "
-                "(`keras_mirror.MirroredModel(model).fit(...)`) or use "
-                "`keras.callbacks.BackupAndRestore`. "
-                f"Received: model={type(self.model).__name__}")
+        if not self._in_mirrored_fit:  # resuming needs the wrapper's fit
+            raise _backup_fields.needs_mirrored_fit(self.model)
         if not self._checked:
             self.check_directory()
             self._checked = True

@@ -237,8 +237,7 @@ def test_compressed_and_duplicate_members_are_refused(cpus, tmp_path,
 
 # -- the virtual shards' fields (`_virtual_shards.check_backup`) -----------
 
-_RUN = types.SimpleNamespace(_virtual_state={"num_shards": 3,
-                                             "lengths": [4, 4, 2]})
+_RUN = types.SimpleNamespace(_virtual_state={"num_shards": 3})
 
 
 _SHARDS = "field 'virtual_shards' (the number of virtual shards) must be " \
@@ -279,10 +278,11 @@ def test_corrupt_virtual_shard_fields(arrays, detail):
 
 def test_virtual_shard_fields_of_this_run_pass():
     arrays = _virtual_shards.backup_arrays(_RUN, 3)
-    assert arrays["shard_positions"].tolist() == [3, 3, 2]
+    assert arrays["shard_positions"].tolist() == [3, 3, 3]
     _virtual_shards.check_backup(_RUN, arrays, "b.npz", 3)
     with pytest.raises(errors.StepBackupError, match=re.escape(
-            "its virtual shards' positions [3, 3, 2] do not fit")):
+            "its virtual shards' positions [3, 3, 3] are not 1 batches into "
+            "each of this input's 3 shards")):
         _virtual_shards.check_backup(_RUN, arrays, "b.npz", 1)
 
 
