@@ -29,6 +29,14 @@ from keras_mirror.wrapper._files import write_atomically as write_atomically
 _TRUSTED_PACKAGES = ("keras", "keras_hub", "keras_cv", "keras_nlp")
 _CONFIG = "config.json"
 _MAX_DEPTH = 100
+# What may be read of one archive member, by its declared size and by the
+# bytes it really decompresses to (a zip can lie about sizes). Keras's own
+# configs and metadata are kilobytes (a large keras_hub model's config is
+# under 1 MiB); weights and assets are as large as the model.
+MAX_JSON_BYTES = 64 * 2**20
+MAX_MEMBER_BYTES = 64 * 2**30
+_JSON_MEMBERS = (_CONFIG, "metadata.json")
+_CHUNK = 2**20
 
 
 def _check_path(filepath):
@@ -73,16 +81,16 @@ def _check_not_truncated(filepath, path):
 def _read_config(path):
     try:
         with zipfile.ZipFile(path) as archive:
-            bad = archive.testzip()
-            if bad is not None:
-                raise zipfile.BadZipFile(f"bad CRC-32 for {bad!r}")
             _check_members(archive.namelist(), path)
             if _CONFIG not in archive.namelist():
                 raise errors.UnsafeModelError(
                     f"`filepath` must be a `.keras` archive with a "
                     f"`{_CONFIG}`. Received: filepath={path!r}"
                 )
-            text = archive.read(_CONFIG)
+            for info in archive.infolist():
+                data = _read_member(archive, info, path)
+                if info.filename == _CONFIG:
+                    text = data
     except (zipfile.BadZipFile, zlib.error, EOFError) as e:
         raise errors.ModelFileError(
             f"`filepath` must be an intact `.keras` archive, but it is "
@@ -101,6 +109,45 @@ def _read_config(path):
             f"`filepath` holds a `{_CONFIG}` that is not valid JSON "
             f"({e}). Received: filepath={path!r}"
         ) from None
+
+
+def _limit(name):
+    return MAX_JSON_BYTES if name in _JSON_MEMBERS else MAX_MEMBER_BYTES
+
+
+def _read_member(archive, info, path):
+    """Reads a member through, checking its CRC-32, within its limit: by
+    its declared size first, then by the bytes it decompresses to. Returns
+    the bytes of a JSON member (None for the others, read in chunks)."""
+    limit = _limit(info.filename)
+    if info.file_size > limit:
+        raise _too_large(path, info.filename, f"declares {info.file_size}",
+                         limit)
+    keep = info.filename in _JSON_MEMBERS
+    chunks, read = [], 0
+    with archive.open(info) as member:
+        while True:
+            chunk = member.read(min(_CHUNK, limit + 1 - read))
+            if not chunk:
+                break
+            read += len(chunk)
+            if read > limit:
+                raise _too_large(path, info.filename,
+                                 f"decompresses to more than {limit}", limit)
+            if keep:
+                chunks.append(chunk)
+    return b"".join(chunks) if keep else None
+
+
+def _too_large(path, name, what, limit):
+    knob = "MAX_JSON_BYTES" if name in _JSON_MEMBERS else "MAX_MEMBER_BYTES"
+    return errors.UnsafeModelError(
+        f"`filepath` holds the archive member {name!r}, which {what} "
+        f"bytes; keras-mirror reads at most {limit} bytes of it "
+        f"(`keras_mirror.saving.{knob}`), so it refuses the file before "
+        "Keras reads it. Raise that limit only for a file you trust. "
+        f"Received: filepath={path!r}"
+    )
 
 
 def _leaves_archive(name):
@@ -216,6 +263,13 @@ def load_model(filepath, devices=None, custom_objects=None, compile=True,
     loads it with `safe_mode=True`. The process-wide safe-mode setting is
     left as it was.
 
+    Every member of the archive is read through first (its CRC-32 checked)
+    and held to a limit, by its declared size and by the bytes it really
+    decompresses to: `MAX_JSON_BYTES` (64 MiB) for `config.json` and
+    `metadata.json`, `MAX_MEMBER_BYTES` (64 GiB) for the weights and each
+    asset. Both are attributes of `keras_mirror.saving`, to raise for a
+    file you trust.
+
     Args:
         filepath: str or path-like. A `.keras` file.
         devices: list of str, or None. When given, the loaded model is
@@ -231,8 +285,9 @@ def load_model(filepath, devices=None, custom_objects=None, compile=True,
         A `keras.Model`, or a `MirroredModel` when `devices` is given.
 
     Raises:
-        UnsafeModelError: the file is not a `.keras` zip archive, or its
-            config names code outside Keras.
+        UnsafeModelError: the file is not a `.keras` zip archive, its
+            config names code outside Keras, or a member is over its limit.
+        ModelFileError: the file is empty, truncated or corrupt.
         FileNotFoundError: no such local file.
 
     Example:

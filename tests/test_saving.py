@@ -10,9 +10,11 @@ written to touch a marker file if it ever ran.
 """
 
 import ast
+import io
 import json
 import os
 import pathlib
+import re
 import signal
 import subprocess
 import sys
@@ -176,6 +178,134 @@ def test_missing_and_remote_paths(tmp_path):
         saving.load_model("hf://someone/model.keras")
     with pytest.raises(errors.UnsafeModelError):
         saving.load_model(123)
+
+
+# -- how much is read of each archive member ------------------------------
+
+def _members(path):
+    with zipfile.ZipFile(path) as z:
+        return {i.filename: z.read(i) for i in z.infolist()}
+
+
+def _archive(path, members, compression=zipfile.ZIP_STORED):
+    with zipfile.ZipFile(path, "w", compression) as z:
+        for name, data in members.items():
+            z.writestr(name, data)
+    return path
+
+
+def _too_large(member, what, limit, knob, path):
+    return re.escape(
+        f"`filepath` holds the archive member '{member}', which {what} "
+        f"bytes; keras-mirror reads at most {limit} bytes of it "
+        f"(`keras_mirror.saving.{knob}`), so it refuses the file before "
+        "Keras reads it. Raise that limit only for a file you trust. "
+        f"Received: filepath='{path}'")
+
+
+@pytest.fixture
+def keras_never_loads(monkeypatch):
+    def refuse(*args, **kwargs):
+        raise AssertionError("keras.saving.load_model was called")
+
+    monkeypatch.setattr(keras.saving, "load_model", refuse)
+
+
+def test_default_member_limits():
+    assert saving.MAX_JSON_BYTES == 64 * 2**20
+    assert saving.MAX_MEMBER_BYTES == 64 * 2**30
+
+
+@pytest.mark.parametrize("compression", [zipfile.ZIP_STORED,
+                                         zipfile.ZIP_DEFLATED])
+def test_padded_config_is_refused_before_keras_reads_it(
+        tmp_path, monkeypatch, keras_never_loads, compression):
+    # Valid JSON padded with 2 MiB of spaces (main loaded 300 MiB so,
+    # growing by 579 MB); the limit is lowered to keep the test small.
+    monkeypatch.setattr(saving, "MAX_JSON_BYTES", 2**20)
+    members = _members(_saved(tmp_path))
+    members["config.json"] += b" " * 2**21
+    path = _archive(tmp_path / "padded.keras", members, compression)
+    with pytest.raises(errors.UnsafeModelError, match=_too_large(
+            "config.json", f"declares {len(members['config.json'])}",
+            2**20, "MAX_JSON_BYTES", path)):
+        saving.load_model(path)
+
+
+@pytest.mark.parametrize("member, knob", [
+    ("metadata.json", "MAX_JSON_BYTES"), ("config.json", "MAX_JSON_BYTES"),
+    ("model.weights.h5", "MAX_MEMBER_BYTES"),
+    ("assets/vocabulary.txt", "MAX_MEMBER_BYTES")])
+def test_every_member_is_held_to_its_limit(tmp_path, monkeypatch, member,
+                                           knob):
+    # Each target made the largest of its kind, so that it alone is over.
+    members = _members(_saved(tmp_path))
+    if member == "metadata.json":
+        members[member] += b" " * 4000
+    if member.startswith("assets/"):
+        members[member] = b"word\n" * 4000
+    path = _archive(tmp_path / "m.keras", members)
+    size = len(members[member])
+    others = {"MAX_JSON_BYTES": 2**20, "MAX_MEMBER_BYTES": 2**20}
+    for name, value in dict(others, **{knob: size - 1}).items():
+        monkeypatch.setattr(saving, name, value)
+    with pytest.raises(errors.UnsafeModelError, match=_too_large(
+            member, f"declares {size}", size - 1, knob, path)):
+        saving.load_model(path)
+    monkeypatch.setattr(saving, knob, size)  # at the limit: loads
+    assert isinstance(saving.load_model(path), keras.Model)
+
+
+def test_member_that_lies_about_its_size_is_refused(tmp_path,
+                                                    keras_never_loads):
+    # The central directory declares 100 bytes of config.json; 2 MiB are
+    # stored. Only the declared bytes are read, and their CRC-32 fails.
+    members = _members(_saved(tmp_path))
+    members["config.json"] += b" " * 2**21
+    path = _archive(tmp_path / "lying.keras", members)
+    raw = bytearray(path.read_bytes())
+    entry = raw.index(b"PK\x01\x02")
+    while raw[entry + 46:entry + 46 + 11] != b"config.json":
+        entry = raw.index(b"PK\x01\x02", entry + 4)
+    raw[entry + 24:entry + 28] = (100).to_bytes(4, "little")
+    path.write_bytes(bytes(raw))
+    with pytest.raises(errors.ModelFileError, match=re.escape(
+            "`filepath` must be an intact `.keras` archive, but it is "
+            "corrupt (Bad CRC-32 for file 'config.json'). Save the model "
+            f"again or load an earlier copy. Received: filepath='{path}'")):
+        saving.load_model(path)
+
+
+def test_bytes_read_are_counted_whatever_the_size_declared(
+        tmp_path, monkeypatch, keras_never_loads):
+    # Should a member yield more than it declares, reading stops one byte
+    # past the limit.
+    path = _saved(tmp_path)
+    monkeypatch.setattr(saving, "MAX_JSON_BYTES", 2**20)
+    served = []
+
+    class Endless(io.RawIOBase):
+        def readable(self):
+            return True
+
+        def readinto(self, buffer):
+            served.append(len(buffer))
+            buffer[:] = b" " * len(buffer)
+            return len(buffer)
+
+    original = zipfile.ZipFile.open
+
+    def open_(archive, name, *args, **kwargs):
+        if getattr(name, "filename", name) == "metadata.json":
+            return io.BufferedReader(Endless())
+        return original(archive, name, *args, **kwargs)
+
+    monkeypatch.setattr(zipfile.ZipFile, "open", open_)
+    with pytest.raises(errors.UnsafeModelError, match=_too_large(
+            "metadata.json", f"decompresses to more than {2**20}", 2**20,
+            "MAX_JSON_BYTES", path)):
+        saving.load_model(path)
+    assert sum(served) <= 2**20 + 2 * 2**16
 
 
 # -- what does load ------------------------------------------------------

@@ -9,10 +9,11 @@ epoch)`. The model's state includes every variable, not only its
 weights: the seed generators' states too, so that `Dropout` and other
 random layers draw the same numbers after a resume. When
 `MirroredModel.fit` is given a `StepBackup` whose directory holds a backup,
-it checks the whole backup against the model (a backup that is truncated or
-does not fit raises `StepBackupError` naming the file, before anything is
-assigned), restores it and resumes at that position on the batches an
-uninterrupted run would read from there (`validation_split` and
+it checks every field's shape and dtype (from its header, before its
+data; a backup that is truncated, not a regular file or does not fit raises
+`StepBackupError` naming the file and field, nothing assigned), restores
+it and resumes at that position on the batches an uninterrupted run would
+read from there (`validation_split` and
 `steps_per_epoch` included, see `keras_mirror.wrapper._resume`), so the run ends
 with the same step count and weights as an uninterrupted one.
 
@@ -100,6 +101,7 @@ class StepBackup(keras.callbacks.Callback):
         self._offset = 0
         self._partial = False
         self._checked = False
+        self._in_mirrored_fit = False  # set by `resume_fit` only
 
     @property
     def path(self):
@@ -141,7 +143,7 @@ class StepBackup(keras.callbacks.Callback):
         temporary = f"{self.path}.{os.getpid()}{_TMP_SUFFIX}"
         try:
             os.makedirs(self.backup_dir, exist_ok=True)
-            with open(temporary, "wb") as f:
+            with _backup_fields.create_new(temporary) as f:
                 np.savez(f, **arrays)
                 f.flush()
                 os.fsync(f.fileno())
@@ -151,12 +153,15 @@ class StepBackup(keras.callbacks.Callback):
             raise self._directory_error(e) from e
         _files.fsync(self.backup_dir)  # the rename itself
 
-    def _read(self):
-        """The backup's arrays by key; StepBackupError if unreadable."""
+    def _read(self, variables):
+        """The backup's fields, checked (`_backup_fields.read`)."""
         try:
-            with _backup_fields.open_regular(self.path) as raw, \
-                    np.load(raw, allow_pickle=False) as f:
-                return {k: f[k] for k in f.files}
+            return _backup_fields.read(
+                self.path, _backup_fields.fields_of(*variables),
+                self._mismatch,
+                optional=_virtual_shards.BACKUP_FIELDS,
+                first_check=lambda keys: _backup_fields.check_counts(
+                    keys, *variables, self._mismatch))
         except errors.StepBackupError:
             raise
         except (OSError, ValueError, EOFError, KeyError,
@@ -167,34 +172,6 @@ class StepBackup(keras.callbacks.Callback):
                 "Delete it to train from the start (or from your last "
                 "checkpoint), or pass another `backup_dir`. "
                 f"Received: backup_dir={self.backup_dir!r}") from None
-
-    def _check(self, arrays, variables):
-        """Raises StepBackupError unless `arrays` fit `variables` exactly."""
-        model_vars, opt_vars = variables
-        counts = (sum(_is_key(k, "w") for k in arrays),
-                  sum(_is_key(k, "o") for k in arrays))
-        if counts != (len(model_vars), len(opt_vars)) or \
-                "position" not in arrays:
-            raise self._mismatch(
-                f"it holds {counts[0]} model and {counts[1]} optimizer "
-                f"variables, the model and optimizer have "
-                f"{len(model_vars)} and {len(opt_vars)}")
-        position = arrays["position"]
-        if position.shape != (2,) or position.dtype.kind not in "iu":
-            raise self._mismatch(
-                "field 'position' must be 2 integers (epoch, step); "
-                f"Received: position={_backup_fields.show(position)}")
-        for prefix, group in (("w", model_vars), ("o", opt_vars)):
-            for i, v in enumerate(group):
-                value = arrays[f"{prefix}{i}"]
-                if tuple(value.shape) != tuple(v.shape):
-                    raise self._mismatch(
-                        f"variable {v.path!r} has shape {tuple(v.shape)}, "
-                        f"the backup {tuple(value.shape)}")
-                if not _backup_fields.same_kind(value.dtype, v.dtype):
-                    raise self._mismatch(
-                        f"field '{prefix}{i}' (variable {v.path!r}) must "
-                        f"be {v.dtype}; Received: dtype={value.dtype}")
 
     def _mismatch(self, detail):
         return errors.StepBackupError(
@@ -218,9 +195,8 @@ class StepBackup(keras.callbacks.Callback):
         """(arrays, variables) of a backup that fits, or None if absent."""
         if not os.path.lexists(self.path):
             return None
-        arrays = self._read()
         variables = self._variables(mirrored)
-        self._check(arrays, variables)
+        arrays = self._read(variables)
         _virtual_shards.check_backup(mirrored, arrays, self.path,
                                      int(arrays["position"][1]))
         return arrays, variables
@@ -265,7 +241,7 @@ class StepBackup(keras.callbacks.Callback):
                 if name.startswith(_FILE + ".") and \
                         name.endswith(_TMP_SUFFIX):
                     os.remove(os.path.join(self.backup_dir, name))
-            with open(probe, "wb") as f:
+            with _backup_fields.create_new(probe) as f:
                 f.write(b"\0")
                 f.flush()
                 os.fsync(f.fileno())
@@ -287,6 +263,8 @@ class StepBackup(keras.callbacks.Callback):
     # -- callback ----------------------------------------------------------
 
     def on_train_begin(self, logs=None):
+        if not self._in_mirrored_fit:  # resuming needs the wrapper's fit
+            raise _backup_fields.needs_mirrored_fit(self.model)
         if not self._checked:
             self.check_directory()
             self._checked = True
@@ -337,6 +315,15 @@ class StepBackup(keras.callbacks.Callback):
                    steps_per_epoch, kwargs, steps=None):
         """Runs `fit` from the backup's position, on the batches an
         uninterrupted run would read from there (see `_resume`)."""
+        self._in_mirrored_fit = True
+        try:
+            return self._resume_fit(mirrored, fit, x, y, batch_size, epochs,
+                                    steps_per_epoch, kwargs)
+        finally:
+            self._in_mirrored_fit = False
+
+    def _resume_fit(self, mirrored, fit, x, y, batch_size, epochs,
+                    steps_per_epoch, kwargs):
         # The directory and the whole backup are checked before anything
         # is assigned: a refusal leaves the model and optimizer as they were.
         self.check_directory(mirrored)
@@ -395,10 +382,6 @@ def _iterations(mirrored):
         if optimizer is not None:
             return int(optimizer.iterations.numpy())
     return 0
-
-
-def _is_key(key, prefix):
-    return key.startswith(prefix) and key[len(prefix):].isdigit()
 
 
 def _remove_quietly(path):

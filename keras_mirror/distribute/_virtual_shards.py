@@ -268,6 +268,15 @@ def file_shares(files, num_shards, shards):
 
 # -- StepBackup ------------------------------------------------------------
 
+# The fields `backup_arrays` writes: (shape, dtype, what they hold); a
+# shape's None is any length, "integer" any integer dtype.
+BACKUP_FIELDS = {
+    "virtual_shards": ((), "integer", "the number of virtual shards"),
+    "shard_positions": ((None,), "integer",
+                        "the batches read of each virtual shard"),
+}
+
+
 def _positions(state, step):
     """Each shard's position: `step` batches (a shard that has ended is
     read to its end, which skipping `step` batches of it also gives)."""
@@ -286,21 +295,52 @@ def backup_arrays(mirrored, step):
 
 def check_backup(mirrored, arrays, path, step):
     """Raises `StepBackupError` unless the backup's shards are this run's.
+
+    `arrays` holds both fields of `BACKUP_FIELDS` or neither; each of the
+    shape and dtype it names (`StepBackup` checks them as it reads).
     """
     state = getattr(mirrored, "_virtual_state", None)
-    saved = int(arrays["virtual_shards"]) if "virtual_shards" in arrays \
-        else None
     now = None if state is None else state["num_shards"]
-    if saved == now and (state is None or list(
-            arrays["shard_positions"]) == _positions(state, step)):
+    saved = _saved_shards(arrays, path, now)
+    if saved == now and (state is None or arrays[
+            "shard_positions"].tolist() == _positions(state, step)):
         return
     detail = (f"it was written with virtual_shards={saved}, this run has "
               f"virtual_shards={now}") if saved != now else (
         "its virtual shards' positions "
-        f"{list(map(int, arrays['shard_positions']))} are not "
+        f"{arrays['shard_positions'].tolist()} are not "
         f"{step} batches into each of this input's {state['num_shards']} "
         "shards")
-    raise errors.StepBackupError(
+    raise _mismatch(path, detail, now)
+
+
+def _saved_shards(arrays, path, now):
+    """The backup's `virtual_shards` (None if it has none), checked."""
+    if not any(k in arrays for k in BACKUP_FIELDS):
+        return None
+    for key, (shape, _, what) in BACKUP_FIELDS.items():
+        if key not in arrays:
+            raise _mismatch(path, f"field {key!r} ({what}) is missing",
+                            now)
+        value = arrays[key]
+        if value.dtype.kind not in "iu" or value.ndim != len(shape):
+            kind = "one integer" if not shape else "a vector of integers"
+            raise _mismatch(
+                path, f"field {key!r} ({what}) must be {kind}. Received: "
+                f"{key} of shape {value.shape} and dtype {value.dtype}", now)
+    saved, positions = (arrays[k] for k in BACKUP_FIELDS)
+    if int(saved) < 1 or positions.shape != (int(saved),) or \
+            bool((positions < 0).any()):
+        raise _mismatch(
+            path, "fields 'virtual_shards' and 'shard_positions' must be "
+            "a positive count and as many positions of 0 or more. "
+            f"Received: virtual_shards={int(saved)}, shard_positions="
+            f"{positions.tolist()[:8]}", now)
+    return int(saved)
+
+
+def _mismatch(path, detail, now):
+    return errors.StepBackupError(
         f"The step backup {path!r} does not match this run's input: "
         f"{detail}. Nothing was restored. Resume with the same "
         "`virtual_shards` and input (a run's global batches depend on "
