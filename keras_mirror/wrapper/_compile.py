@@ -228,19 +228,19 @@ def check_reductions(loss, model=None):
         reduction = getattr(leaf, "reduction", "sum_over_batch_size")
         if reduction not in KERAS_REDUCTIONS:
             raise ValueError(
-                "keras-mirror weights each replica's loss by its "
-                f"reduction, which must be one of Keras's {KERAS_REDUCTIONS}"
-                ": another reduction's share of the global batch is "
-                f"unknown. Received: loss={leaf!r} with "
-                f"reduction={reduction!r}")
+                "`loss` must have a reduction Keras defines, one of "
+                f"{KERAS_REDUCTIONS}: keras-mirror weights each replica's "
+                "loss by its reduction, and another reduction's share of "
+                f"the global batch is unknown. Received: loss={leaf!r} "
+                f"with reduction={reduction!r}")
         if reduction == "mean_with_sample_weight" and model is not None \
                 and type(model).compute_loss is not keras.Model.compute_loss:
             raise ValueError(
-                "keras-mirror cannot weight a loss with reduction="
-                "'mean_with_sample_weight' under a `compute_loss` "
-                "override: each replica's share is its part of the global "
-                "sum of sample weights, and the override's combination of "
-                "the outputs is seen only as a whole. Use "
+                "`loss` with reduction='mean_with_sample_weight' cannot be "
+                "weighted under a `compute_loss` override: each replica's "
+                "share is its part of the global sum of sample weights, "
+                "and keras-mirror sees the override's combination of the "
+                "outputs only as a whole. Use "
                 "reduction='sum_over_batch_size' or 'sum', or Keras's own "
                 f"`compute_loss`. Received: loss={leaf!r} with "
                 f"reduction={reduction!r} and compute_loss="

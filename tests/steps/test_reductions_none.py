@@ -129,11 +129,11 @@ def test_a_reduction_keras_does_not_define_is_refused(cpus):
     with pytest.raises(ValueError) as raised:
         mirrored.compile(optimizer="sgd", loss=loss)
     assert str(raised.value) == (
-        "keras-mirror weights each replica's loss by its reduction, which "
-        "must be one of Keras's ('sum_over_batch_size', 'mean', 'sum', "
-        "'mean_with_sample_weight', 'none', None): another reduction's "
-        "share of the global batch is unknown. Received: "
-        f"loss={loss!r} with reduction='median'")
+        "`loss` must have a reduction Keras defines, one of "
+        "('sum_over_batch_size', 'mean', 'sum', 'mean_with_sample_weight', "
+        "'none', None): keras-mirror weights each replica's loss by its "
+        "reduction, and another reduction's share of the global batch is "
+        f"unknown. Received: loss={loss!r} with reduction='median'")
 
 
 class _OwnLoss(keras.Model):
@@ -151,11 +151,11 @@ def test_a_weighted_mean_under_a_compute_loss_override_is_refused(cpus):
     with pytest.raises(ValueError) as raised:
         mirrored.compile(optimizer="sgd", loss=loss)
     assert str(raised.value) == (
-        "keras-mirror cannot weight a loss with reduction="
-        "'mean_with_sample_weight' under a `compute_loss` override: each "
-        "replica's share is its part of the global sum of sample weights, "
-        "and the override's combination of the outputs is seen only as a "
-        "whole. Use reduction='sum_over_batch_size' or 'sum', or Keras's "
-        f"own `compute_loss`. Received: loss={loss!r} with "
+        "`loss` with reduction='mean_with_sample_weight' cannot be weighted "
+        "under a `compute_loss` override: each replica's share is its part "
+        "of the global sum of sample weights, and keras-mirror sees the "
+        "override's combination of the outputs only as a whole. Use "
+        "reduction='sum_over_batch_size' or 'sum', or Keras's own "
+        f"`compute_loss`. Received: loss={loss!r} with "
         "reduction='mean_with_sample_weight' and "
         "compute_loss=_OwnLoss.compute_loss")
