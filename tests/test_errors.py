@@ -89,6 +89,27 @@ class _RootSumSquare(keras.losses.Loss):
         return keras.ops.sqrt(keras.ops.sum(keras.ops.square(y_true - y_pred)))
 
 
+class _MedianLoss(keras.losses.Loss):
+    """Reduces its own way: a reduction Keras does not define."""
+
+    def __init__(self):
+        super().__init__(name="median_loss")
+        self.reduction = "median"
+
+    def __call__(self, y_true, y_pred, sample_weight=None):
+        return keras.ops.median(keras.ops.abs(y_true - y_pred))
+
+
+class _OwnComputeLoss(keras.Model):
+    def compute_loss(self, *args, **kwargs):
+        return 2.0 * super().compute_loss(*args, **kwargs)
+
+
+def _own_compute_loss():
+    inputs = keras.Input((3,))
+    return _OwnComputeLoss(inputs, keras.layers.Dense(1)(inputs))
+
+
 class _RootAddLoss(keras.layers.Layer):
     def call(self, x):
         self.add_loss(keras.ops.sqrt(keras.ops.sum(keras.ops.square(x))))
@@ -398,10 +419,20 @@ CASES = {
         r"`MirroredModel.fit` needs a compiled model.*"
         r"Received: compiled=False"),
     "loss_reduction": Case(
-        "loss", "MeanSquaredError(reduction=None)",
+        "loss", "a Loss with reduction='median'",
+        lambda cpus: _mirrored(cpus, loss=_MedianLoss()),
+        ValueError, r"`loss` must have a reduction Keras defines.*"
+        r"Received: loss=.*with reduction='median'"),
+    "loss_weighted_mean_override": Case(
+        "loss", "reduction='mean_with_sample_weight' with a compute_loss "
+        "override",
         lambda cpus: _mirrored(
-            cpus, loss=keras.losses.MeanSquaredError(reduction=None)),
-        ValueError, r"Received: loss=.*reduction=None"),
+            cpus, model=_own_compute_loss(),
+            loss=keras.losses.MeanSquaredError(
+                reduction="mean_with_sample_weight")),
+        ValueError, r"`loss` with reduction='mean_with_sample_weight' "
+        r"cannot be weighted under a `compute_loss` override.*Received: "
+        r"loss=.*compute_loss=_OwnComputeLoss.compute_loss"),
     "y_length": Case(
         "y", "7 rows for 8 rows of x",
         lambda cpus: _fit(cpus, X, Y[:7]),

@@ -45,12 +45,22 @@ import tensorflow as tf
 
 from keras_mirror import _compat
 from keras_mirror import errors
+from keras_mirror.replica_context import TRIAL
+from keras_mirror.replica_context import active
+from keras_mirror.replica_context import note
 from keras_mirror.steps import _loss_terms
 from keras_mirror.steps import arithmetic
 
 MEAN, SUM = "mean", "sum"
-# Set on the loss `compute_loss` returns: each output's weighted term.
-_OUTPUT_TERMS = "_keras_mirror_output_terms"
+# A `reduction="mean_with_sample_weight"` loss: a mean weighted by the
+# sample weights, `sum(w * l) / sum(w)` (a plain mean without them).
+WEIGHTED = "weighted_mean"
+# Set on the loss `compute_loss` returns: its `_Shard`.
+_SHARD = "_keras_mirror_shard"
+# A replica's shard of `sum(w)` needs every replica's (an all-reduce).
+WEIGHT_SUMS = ("a loss has reduction='mean_with_sample_weight', whose "
+               "shares need every replica's sum of sample weights (an "
+               "all-reduce)")
 
 
 class Reductions:
@@ -71,14 +81,10 @@ class Reductions:
         # Classified on a training pass (`fit`) or an inference one.
         self.training = training
 
-    @property
-    def all_means(self):
-        kinds = self.extras + (self.outputs or (self.compiled,))
-        return all(k == MEAN for k in kinds)
-
-    def output_is_sum(self, i):
-        return self.outputs is not None and i < len(self.outputs) and \
-            self.outputs[i] == SUM
+    def output_kind(self, i):
+        if self.outputs is None or i >= len(self.outputs):
+            return MEAN
+        return self.outputs[i]
 
     def sum_trackers(self, model):
         """The per-output loss trackers whose values are batch sums."""
@@ -86,44 +92,78 @@ class Reductions:
         return [t for t, kind in zip(_compat.output_loss_trackers(model),
                                      kinds) if kind == SUM]
 
-    def sum_terms(self, shard_loss, extras):
-        """The part of `shard_loss` that is a batch sum (weight 1)."""
-        total = tf.zeros((), tf.float32)
-        if self.all_means:
-            return total
+    def terms(self, shard_loss, extras):
+        """The terms of `shard_loss` not weighted as a plain batch mean.
+
+        Each as `(value, kind, broadcast, weight_sum)` (see `_Term`).
+        """
+        out = []
         extras = [tf.cast(tf.reduce_sum(e), tf.float32) for e in extras]
         if len(extras) != len(self.extras):
             warnings.warn(
                 f"The model's `add_loss` terms in training ({len(extras)}) "
                 f"differ from those keras-mirror classified before the first "
                 f"step ({len(self.extras)}); the training-only terms are "
-                "weighted as batch means.", UserWarning, stacklevel=2)
+                "weighted as batch means.", UserWarning, stacklevel=3)
             kinds = list(self.extras[:len(extras)]) + [MEAN] * max(
                 0, len(extras) - len(self.extras))
         else:
             kinds = self.extras
-        for kind, value in zip(kinds, extras):
-            if kind == SUM:
-                total += value
+        out += [(v, SUM, False, None) for kind, v in zip(kinds, extras)
+                if kind == SUM]
         if self.outputs is None:
             if self.compiled == SUM:
-                total += tf.cast(shard_loss, tf.float32) - (
-                    tf.add_n(extras) if extras else 0.0)
-            return total
-        terms = getattr(shard_loss, _OUTPUT_TERMS, None)
-        if terms is None:
+                out.append((tf.cast(shard_loss, tf.float32) - (
+                    tf.add_n(extras) if extras else 0.0), SUM, False, None))
+            return out
+        shard = getattr(shard_loss, _SHARD, None)
+        if shard is None:
             raise RuntimeError(
                 "keras-mirror could not see the compiled loss's output "
                 "terms of this replica's loss. Received: "
                 f"shard_loss={shard_loss!r}")
-        for i, term in terms:
-            if self.output_is_sum(i):
-                total += term
-        return total
+        for term in shard.terms:
+            kind = self.output_kind(term.index)
+            if kind == WEIGHTED and term.weight_sum is None:
+                kind = MEAN  # no sample weights: Keras's plain mean
+            if kind != MEAN or term.broadcast:
+                out.append((term.value, kind, term.broadcast,
+                            term.weight_sum))
+        return out
 
     def __repr__(self):
         return (f"Reductions(compiled={self.compiled!r}, "
                 f"outputs={self.outputs}, extras={self.extras})")
+
+
+class _Term:
+    """One compiled output's part of a replica's loss (`compute_loss`).
+
+    `value`: its sum over the shard, times its `loss_weights` entry.
+    `broadcast`: a scalar beside an unreduced output (`reduction="none"`):
+    Keras adds it to every element of that output's vector, whose sum is
+    differentiated, so it counts once per element (a mean becomes a sum,
+    a sum counts `b_r` times on a shard and `B` times on one device).
+    `weight_sum`: the shard's sum of sample weights of a
+    `"mean_with_sample_weight"` loss given them (`arithmetic.weight_sum`),
+    else None.
+    """
+
+    def __init__(self, index, value, broadcast=False, weight_sum=None):
+        self.index = index
+        self.value = value
+        self.broadcast = broadcast
+        self.weight_sum = weight_sum
+
+
+class _Shard:
+    """What `compute_loss` saw of a replica's loss: its output terms, and
+    for an unreduced (vector) loss the elements per row of that vector
+    (None for a scalar loss)."""
+
+    def __init__(self, terms, elements_per_row=None):
+        self.terms = terms
+        self.elements_per_row = elements_per_row
 
 
 def weighted(reductions, model, shard_loss, extras, count, total, first,
@@ -131,16 +171,63 @@ def weighted(reductions, model, shard_loss, extras, count, total, first,
     """Replica `r`'s term of the global loss (`arithmetic.contribution`).
 
     Its batch means weighted by the share `count / total`, its batch sums
-    by 1, weight regularisation counted once (on replica 0). A stand-in
-    replica (`rows` 0, `_stand_in`) adds none of its batch sums.
+    by 1, a weighted mean by its share of the global sum of sample weights
+    (one all-reduce of every such loss's shard sums), a term broadcast
+    over an unreduced loss's elements divided by the row share `b_r / B`,
+    weight regularisation counted once (on replica 0). A stand-in replica
+    (`rows` 0, `_stand_in`) adds none of these terms. An unreduced loss's
+    contribution is valued as Keras logs it, its elements' mean
+    (`arithmetic.valued_as_mean`).
     """
-    summed = (reductions.sum_terms(shard_loss, extras)
-              if reductions is not None else 0.0)
+    terms = (reductions.terms(shard_loss, extras)
+             if reductions is not None else [])
+    share = tf.math.divide_no_nan(tf.cast(count, tf.float32),
+                                  tf.cast(total, tf.float32))
+    global_sums = _global_weight_sums(
+        [t[3] for t in terms if t[1] == WEIGHTED])
+    own, weighted_own = tf.zeros((), tf.float32), tf.zeros((), tf.float32)
+    ctx = active()
+    row_share = share if ctx is None else tf.cast(ctx.share, tf.float32)
+    for value, kind, broadcast, weight_sum in terms:
+        if kind == WEIGHTED:
+            weight = tf.math.divide_no_nan(weight_sum, global_sums.pop(0))
+        else:
+            weight = share if kind == MEAN else tf.ones((), tf.float32)
+        if broadcast:
+            weight = tf.math.divide_no_nan(weight, row_share)
+        own += value
+        weighted_own += weight * value
     if rows is not None:
-        summed = tf.where(rows > 0, summed, 0.0)
-    return arithmetic.contribution(
-        shard_loss - summed, arithmetic.weight_regularization(model),
-        count, total, first) + summed
+        own = tf.where(rows > 0, own, 0.0)
+        weighted_own = tf.where(rows > 0, weighted_own, 0.0)
+    out = arithmetic.contribution(
+        shard_loss - own, arithmetic.weight_regularization(model),
+        count, total, first) + weighted_own
+    shard = getattr(shard_loss, _SHARD, None)
+    if shard is not None and shard.elements_per_row is not None:
+        global_rows = total if ctx is None else ctx.global_batch_size
+        out = arithmetic.valued_as_mean(
+            out, tf.cast(global_rows, tf.float32) * tf.cast(
+                shard.elements_per_row, tf.float32))
+    return out
+
+
+def _global_weight_sums(weight_sums):
+    """The global batch's sums of sample weights, from the shards' sums.
+
+    One all-reduce for all of them. In work traced once for all replicas
+    the need is noted (`_one_trace`) and the step traces per replica.
+    """
+    if not weight_sums:
+        return []
+    ctx = active()
+    stacked = tf.stack(weight_sums)
+    if ctx is None or not ctx.distributed:
+        return tf.unstack(stacked)
+    if TRIAL.reasons is not None:  # the single trace is being made
+        note(WEIGHT_SUMS)
+        return tf.unstack(stacked)
+    return tf.unstack(ctx.all_reduce_sum(stacked))
 
 
 def _loss_weight(entry):
@@ -151,19 +238,60 @@ def _loss_weight(entry):
 def compute_loss(model, x, y, y_pred, sample_weight, training):
     """The model's own `compute_loss` (an override too), as Keras calls it.
 
-    As float32; it carries each compiled output's weighted term, which
-    `Reductions.sum_terms` reads.
+    As a float32 scalar: an unreduced loss (`reduction="none"`, a vector)
+    as its sum, which is what Keras's step differentiates. It carries its
+    `_Shard` (each compiled output's weighted term), which
+    `Reductions.terms` reads.
     """
     loss, values = _loss_terms.call_compute_loss(model, x, y, y_pred,
                                                  sample_weight, training)
     if loss is None:
         return loss
     loss = tf.cast(loss, tf.float32)
+    unreduced = loss.shape.rank != 0
     entries = _compat.flat_losses(model) or []
-    terms = [(i, tf.cast(tf.reduce_sum(v), tf.float32) * _loss_weight(
-        entries[i])) for i, v in values if i < len(entries)]
-    setattr(loss, _OUTPUT_TERMS, terms)
+    terms = []
+    for i, v in values:
+        if i >= len(entries):
+            continue
+        v = tf.cast(v, tf.float32) * _loss_weight(entries[i])
+        broadcast = unreduced and v.shape.rank == 0
+        if unreduced:
+            v = tf.broadcast_to(v, tf.shape(loss))
+        terms.append(_Term(i, tf.reduce_sum(v), broadcast, _weight_sum(
+            entries[i], y_pred, sample_weight)))
+    shard = _Shard(terms)
+    if unreduced:
+        shard.elements_per_row = tf.size(loss) // tf.shape(loss)[0]
+        loss = tf.reduce_sum(loss)
+    setattr(loss, _SHARD, shard)
     return loss
+
+
+def _weight_sum(entry, y_pred, sample_weight):
+    """The shard's divisor of a `"mean_with_sample_weight"` output's loss
+    given sample weights (as Keras resolves them per output), else None."""
+    if sample_weight is None or not _weighted_mean(entry.loss):
+        return None
+    sw = _at(entry.path, sample_weight)
+    return arithmetic.weight_sum(sw, _compat.get_mask(_at(entry.path,
+                                                          y_pred)))
+
+
+def _at(path, structure):
+    """`structure`'s leaf at `path` (Keras's `resolve_path`), if nested."""
+    if not tf.nest.is_nested(structure):
+        return structure
+    for key in path:
+        structure = structure[key]
+    return structure
+
+
+def _weighted_mean(loss):
+    """Whether `loss` is a `Loss` Keras reduces by `sum(w * l) / sum(w)`."""
+    return isinstance(loss, keras.losses.Loss) and \
+        type(loss).__call__ is keras.losses.Loss.__call__ and \
+        loss.reduction == "mean_with_sample_weight"
 
 
 # -- the probe -----------------------------------------------------------------
@@ -201,7 +329,9 @@ def _static_kind(loss):
     """A built-in Keras loss's kind from its `reduction`, else None."""
     if not _compat.keras_per_sample_loss(loss):
         return None
-    return SUM if loss.reduction == "sum" else MEAN
+    if loss.reduction in ("sum", "none", None):
+        return SUM  # an unreduced loss's elements are summed (see `_Term`)
+    return MEAN
 
 
 def probe(model, batch, training=True):
@@ -296,6 +426,8 @@ def _output_kinds(model, once, twice):
             raise errors.LossReductionError(
                 f"{_RULE}{what} is {_why(a, b)}. Make it a mean or a sum "
                 f"over the batch. Received: {received}")
+        if kind == MEAN and _weighted_mean(entry.loss):
+            kind = WEIGHTED  # a mean either way on a batch repeated twice
         kinds.append(kind)
     return kinds
 

@@ -170,6 +170,44 @@ def contribution(shard_loss, reg, rows, global_rows, is_first):
     return weighted + reg * first
 
 
+def weight_sum(sample_weight, mask=None):
+    """The divisor of a `"mean_with_sample_weight"` loss on a shard.
+
+    Keras divides that loss's weighted sum by the sum of its sample
+    weights, merged with the output's Keras mask (`sample_weight * mask`,
+    a trailing dimension of 1 squeezed where the ranks differ by one; a
+    squeeze does not change the sum). The shards' divisors add up to the
+    global batch's.
+    """
+    w = tf.cast(sample_weight, tf.float32)
+    if mask is not None:
+        m = tf.cast(mask, tf.float32)
+        if m.shape.rank == w.shape.rank + 1 and m.shape[-1] == 1:
+            m = tf.squeeze(m, -1)
+        elif w.shape.rank == m.shape.rank + 1 and w.shape[-1] == 1:
+            w = tf.squeeze(w, -1)
+        w = w * m
+    return tf.reduce_sum(w)
+
+
+def valued_as_mean(total, elements):
+    """`total / elements` in value, `total`'s own gradient.
+
+    A loss with `reduction="none"` gives Keras's step a vector: the tape
+    differentiates its sum, the loss tracker logs its mean. The replicas'
+    contributions are terms of that sum (so that their gradients add up to
+    one device's); their values, all-reduced, are logged, and are divided
+    by the global batch's element count here, without changing a gradient.
+    """
+    elements = tf.cast(elements, tf.float32)
+
+    @tf.custom_gradient
+    def mean_valued(t):
+        return tf.math.divide_no_nan(t, elements), lambda upstream: upstream
+
+    return mean_valued(total)
+
+
 def output_mask(y_pred):
     """The Keras mask of a single masked output, else None.
 

@@ -22,7 +22,9 @@ from keras_mirror.wrapper import _inputs
 from keras_mirror.wrapper import _own_step_applies
 from keras_mirror.wrapper import _rebuild
 
-EXACT_REDUCTIONS = ("sum_over_batch_size", "mean")
+# Every reduction Keras's `Loss` defines; each is weighted exactly.
+KERAS_REDUCTIONS = ("sum_over_batch_size", "mean", "sum",
+                    "mean_with_sample_weight", "none", None)
 
 
 def compile(mirrored, *args, **kwargs):
@@ -30,7 +32,7 @@ def compile(mirrored, *args, **kwargs):
     _arguments.check_steps_per_execution(kwargs)
     if not mirrored._custom_step:
         check_reductions(kwargs.get("loss", args[1] if len(args) > 1
-                                    else None))
+                                    else None), mirrored._inner)
     mirrored._inner.compile(*args, **kwargs)
     adopt(mirrored)
 
@@ -40,7 +42,7 @@ def adopt(mirrored):
     inner = mirrored._inner
     custom = mirrored._custom_step
     if not custom:
-        check_reductions(getattr(inner, "loss", None))
+        check_reductions(getattr(inner, "loss", None), inner)
     for optimizer in _homes.optimizers_of(inner):
         if custom:
             own_step.prepare_optimizer(optimizer)
@@ -210,14 +212,36 @@ def require_compiled(mirrored, method):
             f"a compiled model. Received: compiled={mirrored.compiled}")
 
 
-def check_reductions(loss):
-    """Refuses a `Loss` whose reduction keras-mirror cannot weight."""
+def check_reductions(loss, model=None):
+    """Refuses a `Loss` whose reduction keras-mirror cannot weight exactly.
+
+    Keras's reductions are weighted by their kind (`steps/_reductions`). A
+    reduction Keras does not define (a `Loss` subclass with its own
+    `__call__` and, say, `reduction="median"`) has no known weighting; a
+    `"mean_with_sample_weight"` loss under a `compute_loss` override
+    neither, since the override decides how the outputs combine, and
+    keras-mirror sees the combination only as a whole.
+    """
     for leaf in tf.nest.flatten(loss):
+        if not isinstance(leaf, keras.losses.Loss):
+            continue
         reduction = getattr(leaf, "reduction", "sum_over_batch_size")
-        if isinstance(leaf, keras.losses.Loss) and \
-                reduction not in EXACT_REDUCTIONS + ("sum",):
+        if reduction not in KERAS_REDUCTIONS:
             raise ValueError(
-                "keras-mirror weights each replica's loss by its share of "
-                "the global batch, which is exact for the reductions "
-                f"{EXACT_REDUCTIONS} and 'sum'. Received: loss={leaf!r} "
+                "`loss` must have a reduction Keras defines, one of "
+                f"{KERAS_REDUCTIONS}: keras-mirror weights each replica's "
+                "loss by its reduction, and another reduction's share of "
+                f"the global batch is unknown. Received: loss={leaf!r} "
                 f"with reduction={reduction!r}")
+        if reduction == "mean_with_sample_weight" and model is not None \
+                and type(model).compute_loss is not keras.Model.compute_loss:
+            raise ValueError(
+                "`loss` with reduction='mean_with_sample_weight' cannot be "
+                "weighted under a `compute_loss` override: each replica's "
+                "share is its part of the global sum of sample weights, "
+                "and keras-mirror sees the override's combination of the "
+                "outputs only as a whole. Use "
+                "reduction='sum_over_batch_size' or 'sum', or Keras's own "
+                f"`compute_loss`. Received: loss={leaf!r} with "
+                f"reduction={reduction!r} and compute_loss="
+                f"{type(model).__name__}.compute_loss")

@@ -19,6 +19,7 @@ import tensorflow as tf
 
 import keras_mirror
 from keras_mirror import errors
+from keras_mirror.steps import arithmetic
 
 # Each test runs on both execution paths (conftest.py).
 pytestmark = pytest.mark.usefixtures("execution")
@@ -243,3 +244,19 @@ def test_train_on_batch_warn(cpus):
     assert "at step 1 on replica(s) [2]" in messages[0]
     assert "the update was applied" in messages[0]
     assert _state(mirrored)[1] == 1
+
+
+def test_weight_sum_merges_the_mask_as_keras_does():
+    sw = tf.constant([[1.0, 2.0, 3.0], [4.0, 5.0, 6.0]])
+    mask = tf.constant([[True, False, True], [False, True, True]])
+    assert float(arithmetic.weight_sum(sw)) == 21.0
+    assert float(arithmetic.weight_sum(sw, mask)) == 15.0
+    assert float(arithmetic.weight_sum(sw[:, :1], mask[:, :1, None])) == 1.0
+
+
+def test_valued_as_mean_keeps_the_sum_s_gradient():
+    w = tf.Variable([1.0, 2.0, 3.0])
+    with tf.GradientTape() as tape:
+        value = arithmetic.valued_as_mean(tf.reduce_sum(w * w), 6)
+    assert float(value) == np.float32(14.0) / np.float32(6.0)
+    np.testing.assert_array_equal(tape.gradient(value, w), [2.0, 4.0, 6.0])
