@@ -1,6 +1,6 @@
 """A batch's loss terms and their gradients, with no side effects.
 
-`_reductions.probe` tells a batch mean from a batch sum by each term's
+`_loss_kinds.probe` tells a batch mean from a batch sum by each term's
 value and gradient on a batch and on that batch repeated twice. Both are
 computed as Keras's `fit` computes them (`model(x, training=True)`, the
 model's own `compute_loss(..., training=True)`; `evaluate`'s with

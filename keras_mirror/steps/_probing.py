@@ -1,6 +1,6 @@
 """The first train or test call classifies the loss terms on its own batch.
 
-`_reductions.probe` needs real rows: on a batch of zeros (all a `tf.data`
+`_loss_kinds.probe` needs real rows: on a batch of zeros (all a `tf.data`
 element spec gives without reading) a sum and a mean are both 0, and a
 masked model gives NaN. Reading a batch ahead would make `fit` read more
 than plain Keras does (a counting `map`, a `.cache()`). So the wrapper's
@@ -24,7 +24,7 @@ import keras
 import tensorflow as tf
 
 from keras_mirror.distribute import _worker_input
-from keras_mirror.steps import _reductions
+from keras_mirror.steps import _loss_kinds
 from keras_mirror.wrapper import _validate
 
 
@@ -49,7 +49,7 @@ def classify(mirrored, element, training=True):
         # This worker's rows (of its local replicas, on a cluster).
         element = _worker_input.local_rows(element[_worker_input._MARK])
     batch = keras.utils.unpack_x_y_sample_weight(element)
-    mirrored._reductions = _reductions.probe(mirrored._inner, batch,
+    mirrored._reductions = _loss_kinds.probe(mirrored._inner, batch,
                                              training)
 
 

@@ -20,6 +20,7 @@ from keras_mirror.replica_context import activate
 from keras_mirror.replica_context import active
 from keras_mirror.steps import _one_trace
 from keras_mirror.steps import _one_update
+from keras_mirror.steps import _own_rows
 from keras_mirror.steps import _reductions
 from keras_mirror.steps import _scope
 from keras_mirror.steps import _slicing
@@ -284,50 +285,8 @@ class ReplicaSteps:
             cross_replica, args=(grads, finite))
 
     def _shards_of(self, per_replica):
-        """`(shards, sizes, rows)` of an input whose replicas hold their own
-        rows already (`worker_input="shard"` on a cluster): the plan is the
-        rows each replica received (gathered: `N` integers), in replica
-        order, which is the global batch's order. A replica without rows
-        runs a stand-in row, the global batch's first, as in `_distribute`:
-        each replica's first row (or zeros) is gathered, `N` rows a step.
-        """
-        strategy = self._strategy
-
-        def counts(*parts):
-            first = next(t for t in parts if t is not None)
-            return tf.shape(first)[:1]
-
-        def first_rows(*parts):
-            def one(t):
-                if t is None:
-                    return None
-                return tf.cond(tf.shape(t)[0] > 0, lambda: t[:1],
-                               lambda: tf.zeros(tf.concat(
-                                   [[1], tf.shape(t)[1:]], axis=0), t.dtype))
-            return tuple(one(t) for t in parts)
-
-        with strategy.scope():
-            sizes = tf.cast(strategy.gather(
-                strategy.run(counts, args=tuple(per_replica)), axis=0),
-                tf.int32)
-            firsts = tf.nest.map_structure(
-                lambda v: strategy.gather(v, axis=0),
-                strategy.run(first_rows, args=tuple(per_replica)))
-        donor = tf.argmax(tf.cast(sizes > 0, tf.int32), output_type=tf.int32)
-        stand_ins = tf.nest.map_structure(
-            lambda t: None if t is None else t[donor:donor + 1], firsts)
-
-        def shard(*parts):
-            r = tf.distribute.get_replica_context().replica_id_in_sync_group
-            empty = tf.equal(tf.gather(sizes, r), 0)
-            return tuple(
-                None if t is None else tf.cond(
-                    empty, lambda s=s: s, lambda t=t: t)
-                for t, s in zip(parts, stand_ins))
-
-        with strategy.scope():
-            shards = strategy.run(shard, args=tuple(per_replica))
-        return shards, sizes, tf.reduce_sum(sizes)
+        """`(shards, sizes, rows)` of replicas' own rows (`_own_rows`)."""
+        return _own_rows.shards_of(self._strategy, per_replica)
 
     def train_step(self, data):
         x, y, sw = keras.utils.unpack_x_y_sample_weight(data)
@@ -354,21 +313,11 @@ class ReplicaSteps:
         self._sync_state()
         y_pred = self._gather_predictions(y_pred)
         if own_rows:
-            x, y, sw = self._targets_of(packed, present)
+            x, y, sw = _own_rows.targets_of(self, packed, present)
         logs = self._track(x, y, y_pred, sw, self._first(loss), rows)
         if stats is not None:
             logs[_replica_logs.PACKED] = self._gather(stats)
         return logs
-
-    def _targets_of(self, packed, present):
-        """`(x, y, sample_weight)` for the global metrics from replicas'
-        own rows: the targets and weights gathered, `x` only where the
-        model's `compute_metrics` is its own (Keras's ignores it)."""
-        x, y, sw = self._unpack(packed, present)
-        own_metrics = type(self._inner).compute_metrics is not \
-            keras.Model.compute_metrics
-        gather = lambda v: None if v is None else self._gather(v)  # noqa
-        return (gather(x) if own_metrics else None), gather(y), gather(sw)
 
     def _run_train(self, shards, present, rows, start, sizes, multiple=1,
                    data=None):

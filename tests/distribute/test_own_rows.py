@@ -1,15 +1,15 @@
 """Each replica trains on the rows it received: virtual shards, one path.
 
-With `worker_input="shard"` a `tf.data` input is read in virtual shards
-and handed to Keras as `tf.distribute`'s distributed dataset of this
-worker's rows (in one process too): each replica's shard is the part it
-received, the plan is the gathered row counts, and the batch itself is not
-gathered (`ReplicaSteps._shards_of`). Here, one process with 4 replicas and
-4 virtual shards of an in-memory input (`SHARD_HINT`, 38 rows of 10, 10, 9
-and 9), global batches of 11, 11, 11, 4 and 1 (the last two leave 1 and 3
-replicas with stand-ins): Dropout, global BatchNormalization, sample
-weights and a model's own `train_step` train as plain Keras on the same
-global batches (the one-process stream, read back), within 1e-5.
+With `worker_input="shard"` a `tf.data` input is read in virtual shards and
+handed to Keras as `tf.distribute`'s distributed dataset of this worker's
+rows (in one process too): each replica's shard is the part it received, the
+plan is the gathered row counts, and the batch itself is not gathered
+(`keras_mirror/steps/_own_rows.py`). Here, one process with 4 replicas and 4
+virtual shards of an in-memory input (`SHARD_HINT`, 38 rows of 10, 10, 9 and
+9), global batches of 11, 11, 11, 4 and 1 (the last two leave 1 and 3
+replicas with stand-ins): Dropout, global BatchNormalization, sample weights
+and a model's own `train_step` train as plain Keras on the same global
+batches (the one-process stream, read back), within 1e-5.
 """
 
 import keras

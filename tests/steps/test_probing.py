@@ -4,7 +4,8 @@ Each test trains the same model on one device and through `MirroredModel`
 over 4 logical CPUs from the same `tf.data` input, on both execution paths,
 and asserts equal weights (1e-5) and equal logs, per output too.
 
-Also the tests of `keras_mirror/steps/_reductions.py`.
+Also the tests of `keras_mirror/steps/_reductions.py` and
+`keras_mirror/steps/_loss_kinds.py`.
 """
 
 import keras
@@ -227,7 +228,7 @@ def test_add_loss_sum_and_zero_initialised_regulariser():
 # The probe runs before any step, on one device: one path is enough.
 @pytest.mark.parametrize("execution", [None], ids=["before_any_step"])
 def test_the_probe_never_warns_of_retracing(caplog):
-    from keras_mirror.steps import _reductions
+    from keras_mirror.steps import _loss_kinds
 
     x, y = _data(8)
     model = _mlp("mse")
@@ -237,7 +238,7 @@ def test_the_probe_never_warns_of_retracing(caplog):
     # tf.function retracing" warning came at five traced calls in a row.
     caplog.clear()
     with caplog.at_level("WARNING", logger="tensorflow"):
-        kinds = [_reductions.probe(model, batch) for _ in range(5)]
+        kinds = [_loss_kinds.probe(model, batch) for _ in range(5)]
     assert [(k.outputs, k.extras) for k in kinds] == [(("mean",), ())] * 5
     assert "retracing" not in caplog.text
 
@@ -364,10 +365,10 @@ def test_a_mixed_float16_batch_sum_is_a_sum():
     ((4.0, [1.0]), (6.0, [1.5]), None),  # half a sum, half a mean
 ])
 def test_the_nearer_kind_wins_and_zero_is_undecided(once, twice, kind):
-    from keras_mirror.steps import _reductions
+    from keras_mirror.steps import _loss_kinds
 
     as_arrays = lambda t: (t[0], np.array(t[1]))  # noqa: E731
-    assert _reductions._kind(as_arrays(once), as_arrays(twice)) == kind
+    assert _loss_kinds._kind(as_arrays(once), as_arrays(twice)) == kind
 
 
 @pytest.mark.parametrize("reduction", ["sum", "sum_over_batch_size", "mean"])

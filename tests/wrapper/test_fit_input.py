@@ -269,15 +269,18 @@ def test_per_replica_generator_and_pydataset_read_nothing_twice():
     assert got == sorted(list(range(ELEMENTS)) * (EPOCHS + 1))
 
 
-def test_worker_shards_read_the_counting_pass_and_each_epoch(records):
-    """`worker_input="shard"` (virtual shards, one process): one counting
-    pass over the shards (the epoch's length, see `_virtual_shards`), then
-    one read per epoch, as plain Keras's."""
+def test_worker_shards_read_each_record_once_per_epoch(records):
+    """`worker_input="shard"` (virtual shards, one process) reads each
+    record once per epoch, as plain Keras's `fit` does: no counting pass
+    before training (the workers agree on an epoch's end as they go)."""
+    plain = Counter()
+    _model().fit(_dataset(records, plain), epochs=2, verbose=0)
     counter = Counter()
     mirrored = keras_mirror.MirroredModel(_model(), worker_input="shard",
                                           virtual_shards=1)
     mirrored.fit(_dataset(records, counter), epochs=2, verbose=0)
-    assert counter.count == (1 + 2) * RECORDS
+    assert plain.count == 2 * RECORDS
+    assert counter.count == plain.count
 
 
 def test_worker_rows_of_arrays_are_read_once_per_epoch():
