@@ -185,8 +185,6 @@ class MirroredModel(ReplicaAttributes, _user_model.UserModelState,
         self._comm_options = comm
         self.replica_history = {}
         self._custom_step = own_step.setup(original)
-        own_step.warn_inexact(original, self._custom_step, self._devices,
-                              batchnorm)
         if original.built:
             self.built = True
         if spec is not None:

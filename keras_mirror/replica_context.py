@@ -123,11 +123,9 @@ class ReplicaContext:
         # An empty shard runs a stand-in row (`steps/_stand_in.py`): it adds
         # nothing to the sum.
         rows = tf.cast(self.shard_size, tf.int32)
-        value = tf.nest.map_structure(
-            lambda v: tf.where(rows > 0, v, tf.zeros_like(v)), value)
-        ctx = tf.distribute.get_replica_context()
-        return ctx.all_reduce(tf.distribute.ReduceOp.SUM, value,
-                              options=self._options)
+        return tf.nest.map_structure(
+            lambda v: summed(tf.where(rows > 0, v, tf.zeros_like(v))),
+            value)
 
     def all_reduce_mean(self, value):
         """The share-weighted sum over replicas: the global-batch mean.
@@ -287,6 +285,47 @@ def _gather(context, value):
             return tf.concat([mine, stand_in], axis=0)
 
         return gather(t[:rows]), grad
+
+    return differentiable(value)
+
+
+def summed(value):
+    """The sum of `value` over the replicas, exactly differentiable.
+
+    The all-reduce of the running replica step (its communication
+    options). Its gradient is TF's (the all-reduce of the replicas'
+    upstream gradients) where each replica's loss was weighted by its share
+    before differentiation (the built-in step). In a model's own step, the
+    share weights a replica's gradients after (`own_step`), so the
+    gradient's cross-replica terms would get the wrong replica's share:
+    there each replica's upstream gradient is weighted by its own share
+    before the all-reduce and the result divided by this replica's, so
+    that after its share is applied every term carries its own. Used by
+    `all_reduce_sum` and the global batch's BatchNorm moments, whose
+    gradients then equal one device's for uneven and empty shards.
+    """
+    import tensorflow as tf
+
+    context = active()
+    ctx = tf.distribute.get_replica_context()
+    options = None if context is None else context._options
+
+    def reduce(t):
+        return ctx.all_reduce(tf.distribute.ReduceOp.SUM, t, options=options)
+
+    value = tf.convert_to_tensor(value)
+    if context is None or not context._shares_after_gradient or \
+            not value.dtype.is_floating:
+        return reduce(value)
+    share = tf.cast(context.share, value.dtype)
+
+    @tf.custom_gradient
+    def differentiable(t):
+        def grad(upstream):
+            total = reduce(context.weight(tf.convert_to_tensor(upstream)))
+            return tf.math.divide_no_nan(total, share)
+
+        return reduce(t), grad
 
     return differentiable(value)
 

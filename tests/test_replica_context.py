@@ -179,3 +179,50 @@ def test_a_loss_of_the_gathered_batch_alone_trains_as_on_one_device(cpus):
     assert max_diff(single.get_weights(), model.get_weights()) < TOL
     np.testing.assert_allclose(mirrored.last_replica_logs["loss"],
                                [ref["loss"]] * 3 + [0.0], rtol=1e-6)
+
+
+class GlobalCentering(keras.Model):
+    """An own `train_step` whose loss reads a global-batch sum through
+    `all_reduce_sum`: the shard's predictions centred on the global mean.
+    """
+
+    def __init__(self):
+        super().__init__()
+        self.dense = keras.layers.Dense(1)
+
+    def call(self, x):
+        return self.dense(x)
+
+    def train_step(self, data):
+        x, y = data
+        ctx = keras_mirror.replica_context(batch_size=tf.shape(x)[0])
+        rows = tf.cast(ctx.global_batch_size, tf.float32)
+        with tf.GradientTape() as tape:
+            pred = self(x)
+            mean = ctx.all_reduce_sum(tf.reduce_sum(pred)) / rows
+            loss = tf.reduce_mean(tf.square(pred - mean - y))
+        grads = tape.gradient(loss, self.trainable_variables)
+        self.optimizer.apply(grads, self.trainable_variables)
+        return {"loss": loss}
+
+
+def test_all_reduce_sum_in_an_own_step_is_exactly_differentiated(cpus):
+    """Each replica's gradient through `all_reduce_sum` carries every
+    replica's share, so uneven and empty shards train as one device."""
+    rng = np.random.default_rng(5)
+    x = rng.normal(size=(15, 4)).astype("float32")
+    y = rng.normal(size=(15, 1)).astype("float32")
+
+    def train(wrap):
+        keras.utils.set_random_seed(1)
+        model = GlobalCentering()
+        model.compile(optimizer=keras.optimizers.SGD(0.1))
+        model(x[:1])
+        target = keras_mirror.MirroredModel(model, devices=cpus) \
+            if wrap else model
+        # Batches of 7, 7, 1: shards 2/2/2/1, 2/2/2/1, 1/0/0/0.
+        target.fit(x, y, batch_size=7, epochs=3, shuffle=False, verbose=0)
+        return model
+
+    assert max_diff(train(False).get_weights(),
+                    train(True).get_weights()) < 1e-5

@@ -22,6 +22,7 @@ import keras
 import tensorflow as tf
 
 from keras_mirror import _compat
+from keras_mirror.replica_context import summed
 from keras_mirror.steps import _stand_in
 
 BATCHNORM_MODES = ("global", "per_replica")
@@ -39,7 +40,7 @@ def reduces_batch_axis(x, axes):
     return 0 in [int(a) % rank for a in tf.nest.flatten(axes)]
 
 
-def two_pass_moments(replica_ctx, x, axes, keepdims):
+def two_pass_moments(x, axes, keepdims):
     """The global batch's mean, then its variance about that mean.
 
     One device's arithmetic (`tf.nn.moments`: the mean, then the mean of
@@ -53,9 +54,7 @@ def two_pass_moments(replica_ctx, x, axes, keepdims):
         keep = tf.constant(1.0, x.dtype)
 
     def total(t):
-        return replica_ctx.all_reduce(
-            tf.distribute.ReduceOp.SUM,
-            tf.reduce_sum(t * keep, axis=axes, keepdims=True))
+        return summed(tf.reduce_sum(t * keep, axis=axes, keepdims=True))
 
     count = total(tf.ones_like(x))
     mean = tf.math.divide_no_nan(total(x), count)
@@ -75,7 +74,7 @@ def _global(original):
         if replica_ctx is None or replica_ctx.num_replicas_in_sync == 1 or \
                 not reduces_batch_axis(x, axes):
             return original(x, axes, keepdims)
-        return two_pass_moments(replica_ctx, x, axes, keepdims)
+        return two_pass_moments(x, axes, keepdims)
 
     return moments
 

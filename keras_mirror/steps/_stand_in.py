@@ -55,6 +55,7 @@ import tensorflow as tf
 
 from keras_mirror import _compat
 from keras_mirror.replica_context import active
+from keras_mirror.replica_context import summed
 from keras_mirror.steps import _slicing
 
 # Each replica's rows in training, where oneDNN runs a model with a
@@ -219,12 +220,8 @@ def _moments_sync(original):
                                       keepdims=True)
         local_count = tf.reduce_sum(tf.ones_like(x) * keep, axis=axes,
                                     keepdims=True)
-        total = replica_ctx.all_reduce(tf.distribute.ReduceOp.SUM,
-                                       local_sum)
-        squares = replica_ctx.all_reduce(tf.distribute.ReduceOp.SUM,
-                                         local_squares)
-        count = replica_ctx.all_reduce(tf.distribute.ReduceOp.SUM,
-                                       local_count)
+        total, squares, count = (
+            summed(t) for t in (local_sum, local_squares, local_count))
         mean = tf.math.divide_no_nan(total, count)
         variance = tf.maximum(
             tf.math.divide_no_nan(squares, count) - tf.square(mean), 0.0)

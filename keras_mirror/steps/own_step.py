@@ -30,14 +30,10 @@ gradients just updated).
 A non-scalar target of `tape.gradient` with a row per example (a per-pixel
 loss) is differentiated as the batch sum it is (`_tape`). What differs from
 one device: a scalar loss the user's own step computes as a batch *sum* by
-hand (weighted as a mean); synchronized BatchNormalization
-with uneven shards (the share weighting follows differentiation, so its
-cross-replica terms are weighted by the wrong shares); gradient
-accumulation and `LossScaleOptimizer` clip per replica, before the
-all-reduce.
+hand (weighted as a mean); gradient accumulation and `LossScaleOptimizer`
+clip per replica, before the all-reduce.
 """
 
-import warnings
 
 import keras
 import tensorflow as tf
@@ -48,7 +44,6 @@ from keras_mirror import split
 from keras_mirror.replica_context import ReplicaContext
 from keras_mirror.replica_context import activate
 from keras_mirror.replica_context import active
-from keras_mirror.steps import _batchnorm
 from keras_mirror.steps import _metric_weights
 from keras_mirror.steps import _mixing
 from keras_mirror.steps import _scope
@@ -82,21 +77,6 @@ def setup(model):
     if not model.built and model.weights:
         model.built = True
     return True
-
-
-def warn_inexact(model, custom, devices, batchnorm="global"):
-    """Warns, at wrap time, of what a model's own step cannot do exactly."""
-    layers = [layer.name for layer in _batchnorm.batchnorm_layers(model)
-              if layer.synchronized or batchnorm == "global"]
-    if custom and layers and len(devices) > 1:
-        warnings.warn(
-            f"The model has its own `train_step` and BatchNormalization "
-            f"layers {layers} normalised by the global batch's statistics: "
-            "with shards of unequal size its gradients differ from one "
-            "device's (each replica's share weights its gradient after the "
-            "cross-replica statistics were differentiated). Use global "
-            f"batches that the {len(devices)} replicas divide evenly to "
-            "train exactly.", UserWarning, stacklevel=3)
 
 
 def weighted_allreduce(original):
