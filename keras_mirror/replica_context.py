@@ -271,14 +271,20 @@ def _gather(context, value):
     def differentiable(t):
         def grad(upstream):
             upstream = tf.convert_to_tensor(upstream)
-            if context._shares_after_gradient:
-                # Weighted as the replica's loss would be, then unweighted:
-                # its own step's gradients get its share when applied.
+            # Weighted as the replica's loss would be, then unweighted: its
+            # own step's gradients get its share when applied (not those
+            # with respect to tensors only, `differentiating`).
+            weighted = context._shares_after_gradient and not getattr(
+                _LOCAL, "tensor_gradient", False)
+            if weighted:
                 upstream = context.weight(upstream)
+            else:
+                upstream = tf.where(rows > 0, upstream,
+                                    tf.zeros_like(upstream))
             total = ctx.all_reduce(tf.distribute.ReduceOp.SUM, upstream,
                                    options=options)
             mine = total[offset:offset + rows]
-            if context._shares_after_gradient:
+            if weighted:
                 mine = tf.math.divide_no_nan(mine, share)
             stand_in = tf.zeros(tf.concat(
                 [[run_rows - rows], tf.shape(mine)[1:]], 0), mine.dtype)
@@ -300,7 +306,9 @@ def summed(value):
     gradient's cross-replica terms would get the wrong replica's share:
     there each replica's upstream gradient is weighted by its own share
     before the all-reduce and the result divided by this replica's, so
-    that after its share is applied every term carries its own. Used by
+    that after its share is applied every term carries its own; a gradient
+    with respect to tensors only (`differentiating`) is one device's. Used
+    by
     `all_reduce_sum` and the global batch's BatchNorm moments, whose
     gradients then equal one device's for uneven and empty shards.
     """
@@ -322,12 +330,35 @@ def summed(value):
     @tf.custom_gradient
     def differentiable(t):
         def grad(upstream):
+            if getattr(_LOCAL, "tensor_gradient", False):
+                # A gradient with respect to tensors (a gradient penalty's
+                # `gradient(pred, [interpolated])`) is not share-weighted
+                # later: one device's, the upstreams summed (and exactly
+                # differentiable again, for the gradient of the penalty);
+                # a stand-in replica's rows are not one device's.
+                upstream = tf.convert_to_tensor(upstream)
+                rows = tf.cast(context.shard_size, tf.int32)
+                return summed(tf.where(rows > 0, upstream,
+                                       tf.zeros_like(upstream)))
             total = reduce(context.weight(tf.convert_to_tensor(upstream)))
             return tf.math.divide_no_nan(total, share)
 
         return reduce(t), grad
 
     return differentiable(value)
+
+
+@contextlib.contextmanager
+def differentiating(variables):
+    """Within the block, a model's own step's `tape.gradient` runs, with
+    respect to variables (its gradients are share-weighted when applied)
+    or, with `variables` False, to tensors only (`steps/_tape.py`)."""
+    previous = getattr(_LOCAL, "tensor_gradient", False)
+    _LOCAL.tensor_gradient = not variables
+    try:
+        yield
+    finally:
+        _LOCAL.tensor_gradient = previous
 
 
 def replica_context(batch_size=None):

@@ -181,7 +181,7 @@ def test_a_loss_of_the_gathered_batch_alone_trains_as_on_one_device(cpus):
                                [ref["loss"]] * 3 + [0.0], rtol=1e-6)
 
 
-class GlobalCentering(keras.Model):
+class CenteredOnGlobalSum(keras.Model):
     """An own `train_step` whose loss reads a global-batch sum through
     `all_reduce_sum`: the shard's predictions centred on the global mean.
     """
@@ -215,7 +215,7 @@ def test_all_reduce_sum_in_an_own_step_is_exactly_differentiated(cpus):
 
     def train(wrap):
         keras.utils.set_random_seed(1)
-        model = GlobalCentering()
+        model = CenteredOnGlobalSum()
         model.compile(optimizer=keras.optimizers.SGD(0.1))
         model(x[:1])
         target = keras_mirror.MirroredModel(model, devices=cpus) \

@@ -17,6 +17,12 @@ is not the batch's) and equals the shard's rows. Only gradients with
 respect to variables are scaled: a gradient with respect to a tensor (a
 WGAN-GP gradient penalty's `gradient(pred, [interpolated])`) is per row and
 the same as one device's.
+
+Each call also says which of the two it is (`replica_context.
+differentiating`): the backward pass of a cross-replica sum or gather in
+the step (BatchNorm's statistics, `all_gather`) weights the replicas' parts
+by their shares for a gradient with respect to variables, and sums them as
+one device would for one with respect to tensors only.
 """
 
 import contextlib
@@ -27,6 +33,7 @@ import keras
 import tensorflow as tf
 
 from keras_mirror.replica_context import active
+from keras_mirror.replica_context import differentiating
 
 
 def _is_variable(source):
@@ -65,12 +72,17 @@ def _patched(original):
     def gradient(self, target, sources, output_gradients=None,
                  unconnected_gradients=tf.UnconnectedGradients.NONE):
         ctx = active()
-        if ctx is not None and ctx.distributed:
-            output_gradients = _for_variables(target, sources,
-                                              output_gradients, ctx)
-        return original(self, target, sources,
-                        output_gradients=output_gradients,
-                        unconnected_gradients=unconnected_gradients)
+        if ctx is None or not ctx.distributed:
+            return original(self, target, sources,
+                            output_gradients=output_gradients,
+                            unconnected_gradients=unconnected_gradients)
+        output_gradients = _for_variables(target, sources, output_gradients,
+                                          ctx)
+        variables = any(_is_variable(s) for s in tf.nest.flatten(sources))
+        with differentiating(variables):
+            return original(self, target, sources,
+                            output_gradients=output_gradients,
+                            unconnected_gradients=unconnected_gradients)
 
     return gradient
 

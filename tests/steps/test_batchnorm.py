@@ -193,3 +193,61 @@ def test_own_step_batch_norm_trains_as_one_device(cpus, synchronized):
     single, model = train(False), train(True)
     assert _moving(model)
     assert _max_diff(single, model) < TOL
+
+
+class PenalisedCritic(keras.Model):
+    """A WGAN-GP critic's step: a gradient penalty (a gradient with
+    respect to the input rows, differentiated again) through BatchNorm."""
+
+    def __init__(self, synchronized):
+        super().__init__()
+        self.net = keras.Sequential([
+            keras.Input((5,)), layers.Dense(8, use_bias=False),
+            layers.BatchNormalization(synchronized=synchronized),
+            layers.LeakyReLU(0.2), layers.Dense(1)])
+
+    def call(self, x, training=False):
+        return self.net(x, training=training)
+
+    def train_step(self, data):
+        x, y, _ = keras.utils.unpack_x_y_sample_weight(data)
+        with tf.GradientTape() as tape:
+            with tf.GradientTape() as inner:
+                inner.watch(x)
+                pred = self(x, training=True)
+            grads = inner.gradient(pred, [x])[0]
+            norm = keras.ops.sqrt(keras.ops.sum(keras.ops.square(grads),
+                                                axis=1) + 1e-6)
+            loss = keras.ops.mean(pred * y) + 10.0 * keras.ops.mean(
+                (norm - 1.0) ** 2)
+        grads = tape.gradient(loss, self.trainable_variables)
+        self.optimizer.apply(grads, self.trainable_variables)
+        return {"loss": loss}
+
+
+@pytest.mark.parametrize("rows", [3, 2, 5])
+@pytest.mark.parametrize("synchronized", [False, True])
+def test_gradient_penalty_through_batch_norm_is_one_devices(cpus, rows,
+                                                            synchronized):
+    """One step's update (SGD, learning rate 1: minus the gradient) on 3
+    rows (1/1/1/0), 2 (1/1/0/0) and 5 (2/1/1/1): the penalty's gradient
+    with respect to the rows is one device's (the replicas' parts of the
+    statistics summed, a stand-in replica's left out), and its gradient
+    with respect to the weights too."""
+    rng = np.random.default_rng(11)
+    x = rng.normal(size=(rows, 5)).astype("float32")
+    y = rng.choice([-1.0, 1.0], size=(rows, 1)).astype("float32")
+
+    def step(wrap):
+        keras.utils.set_random_seed(3)
+        model = PenalisedCritic(synchronized)
+        model.compile(optimizer=keras.optimizers.SGD(1.0))
+        model(x[:1])
+        before = [w.copy() for w in model.get_weights()]
+        target = keras_mirror.MirroredModel(model) if wrap else model
+        target.train_on_batch(x, y)
+        return [a - b for a, b in zip(model.get_weights(), before)]
+
+    single, mirrored = step(False), step(True)
+    for a, b in zip(single, mirrored):
+        np.testing.assert_allclose(b, a, rtol=1e-4, atol=1e-5)

@@ -184,6 +184,35 @@ def wgan_gp():
     return model, compile_kwargs, (x, None)
 
 
+
+def wgan_gp_bn():
+    """The WGAN-GP with BatchNorm: synchronized in the critic (its gradient
+    penalty differentiates through the statistics twice), plain in the
+    generator (no bias before either: Adam would turn its rounding-level
+    gradient into steps of the learning rate's size)."""
+    latent = 3
+    discriminator = keras.Sequential([
+        keras.Input((5,)), layers.Dense(8, use_bias=False),
+        layers.BatchNormalization(synchronized=True), layers.LeakyReLU(0.2),
+        layers.Dense(1)])
+    generator = keras.Sequential([
+        keras.Input((latent,)), layers.Dense(8, use_bias=False),
+        layers.BatchNormalization(), layers.ReLU(), layers.Dense(5)])
+    _, compile_kwargs, _ = wgan_gp()
+    # SGD: Adam's step divides by the root of the squared gradients, so
+    # weights whose gradients are near 0 turn rounding into steps of the
+    # learning rate's size (1e-3 apart with Adam, one device against one
+    # device with data perturbed by 2e-7, too).
+    compile_kwargs.update(d_optimizer=keras.optimizers.SGD(0.01),
+                          g_optimizer=keras.optimizers.SGD(0.01))
+    model = WGAN(discriminator, generator, latent)
+    # 4 batches of 14 (4/4/3/3 rows a replica): a BatchNorm of a 3-row
+    # batch under a gradient penalty is so ill-conditioned that data
+    # perturbed by 2e-7 moves one device's weights by 1e-4 (empty shards
+    # with BatchNorm in an own step: tests/steps/test_batchnorm.py).
+    x = _rng(2).normal(size=(4 * BATCH, 5)).astype("float32")
+    return model, compile_kwargs, (x, None)
+
 # -- VAE (keras.io style: a sampling layer with its own seed generator) ------
 
 
@@ -617,6 +646,7 @@ BUILT_IN = {
 OWN_STEP = {
     "gan": gan,
     "wgan_gp": wgan_gp,
+    "wgan_gp_bn": wgan_gp_bn,
     "vae": vae,
     "guide_train_step": guide_train_step,
 }
