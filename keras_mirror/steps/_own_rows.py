@@ -5,12 +5,12 @@ With `worker_input="shard"` and a `tf.data` input, Keras reads
 (`distribute/_worker_input.distributed`): each replica receives its own
 part of the worker's rows. The step then trains each replica on those rows
 as they are. What crosses between the replicas (and the network) besides
-the gradients and statistics: the `N` row counts (the plan), each
-replica's first row (the stand-in of an empty replica) and, for the
+the gradients and statistics: the `N` row counts (the plan), in a step that
+leaves a replica empty each replica's first row (the stand-in) and, for the
 compiled metrics, the targets and sample weights (`x` only for a model's
-own `compute_metrics`). The replicas' order is the global batch's
-(workers in order, each worker's parts in order), so random draws and
-every weighting are those of the global batch.
+own `compute_metrics`). The replicas' order is the global batch's (workers
+in order, each worker's parts in order), so random draws and every
+weighting are those of the global batch.
 """
 
 import keras
@@ -22,9 +22,10 @@ def shards_of(strategy, per_replica):
     rows already (`worker_input="shard"` virtual shards): the plan is the
     rows each replica received (gathered: `N` integers), in replica
     order, which is the global batch's order. A replica without rows
-    runs a stand-in row, the global batch's first, as in
-    `ReplicaSteps._distribute`:
-    each replica's first row (or zeros) is gathered, `N` rows a step.
+    runs a stand-in row, the first row of the first replica that has
+    rows, as in `ReplicaSteps._distribute`: each replica's first row is
+    gathered for it, `N` rows, only in a step that leaves a replica
+    empty.
     """
     def counts(*parts):
         first = next(t for t in parts if t is not None)
@@ -43,12 +44,23 @@ def shards_of(strategy, per_replica):
         sizes = tf.cast(strategy.gather(
             strategy.run(counts, args=tuple(per_replica)), axis=0),
             tf.int32)
-        firsts = tf.nest.map_structure(
-            lambda v: strategy.gather(v, axis=0),
-            strategy.run(first_rows, args=tuple(per_replica)))
-    donor = tf.argmax(tf.cast(sizes > 0, tf.int32), output_type=tf.int32)
-    stand_ins = tf.nest.map_structure(
-        lambda t: None if t is None else t[donor:donor + 1], firsts)
+        firsts = strategy.run(first_rows, args=tuple(per_replica))
+        donor = tf.argmax(tf.cast(sizes > 0, tf.int32),
+                          output_type=tf.int32)
+
+        def stand_in(first):
+            if first is None:
+                return None
+            # Gathered only in a step that leaves a replica without rows
+            # (every worker takes the same branch: `sizes` is global).
+            def gathered():
+                return strategy.gather(first, axis=0)[donor:donor + 1]
+
+            local = strategy.experimental_local_results(first)[0]
+            return tf.cond(tf.reduce_any(tf.equal(sizes, 0)), gathered,
+                           lambda: tf.zeros_like(local))
+
+        stand_ins = tf.nest.map_structure(stand_in, firsts)
 
     def shard(*parts):
         r = tf.distribute.get_replica_context().replica_id_in_sync_group
