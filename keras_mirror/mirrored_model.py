@@ -177,7 +177,8 @@ class MirroredModel(ReplicaAttributes, _user_model.UserModelState,
         object.__setattr__(self, "_step_state", _state.StepState())
         self._batch_mode = batch
         self._batchnorm = batchnorm
-        _batchnorm.say_mode(original, batchnorm, len(self._devices))
+        _batchnorm.say_mode(original, batchnorm,
+                            strategy.num_replicas_in_sync)
         self._capacity = None
         self.on_nonfinite = on_nonfinite
         self._replica_stats = replica_stats

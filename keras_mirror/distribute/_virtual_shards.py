@@ -20,8 +20,9 @@ Global batch `k` is batch `k` of every virtual shard, concatenated in
 virtual-shard order (a shard that has run out gives no rows); an epoch
 ends when the longest shard does. Nothing here depends on the number of
 workers: worker `w` of `W` hosts the contiguous block of shards
-`split.balanced_sizes(V, W)` gives it, reads only those, and the step
-all-gathers the workers' rows in worker order, which is virtual-shard order
+`split.balanced_sizes(V, W)` gives it, reads only those, and its replicas
+train on those rows as they are (`steps/_own_rows.py`): replicas in worker
+order are in virtual-shard order, so the global batch is the same
 (`_worker_input.assemble`). One process with the same `V` reads all `V`
 shards itself: the single-device reference, and what 2, 3 or, after an
 elastic restart, any other number of workers train on.
