@@ -330,8 +330,9 @@ def main(argv=None):
             "counting pass was already gone, 16ca363); 750ca58: the parent "
             "of 16ca363, with the counting pass; after: each replica "
             "trains on its own rows (4f48c0a) and gathers each step the "
-            "row counts, each replica's first row (the stand-in for an "
-            "empty replica), the targets and the predictions."]}
+            "row counts, the targets and the predictions, and each "
+            "replica's first row (the stand-in for an empty replica) only "
+            "in a step that leaves a replica empty."]}
     bench_report.write(report, args.out, markdown(report))
     return 0
 
