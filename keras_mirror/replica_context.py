@@ -308,8 +308,7 @@ def summed(value):
     before the all-reduce and the result divided by this replica's, so
     that after its share is applied every term carries its own; a gradient
     with respect to tensors only (`differentiating`) is one device's. Used
-    by
-    `all_reduce_sum` and the global batch's BatchNorm moments, whose
+    by `all_reduce_sum` and the global batch's BatchNorm moments, whose
     gradients then equal one device's for uneven and empty shards.
     """
     import tensorflow as tf

@@ -102,3 +102,19 @@ def test_overhead_quick_run_writes_report(tmp_path):
     assert row["ratio_min"] <= row["ratio_median"] <= row["ratio_max"]
     assert row["nostats_ratio_min"] <= row["nostats_ratio_median"] \
         <= row["nostats_ratio_max"]
+
+
+@pytest.mark.timeout(TIMEOUT + 5)
+def test_input_walk_follows_x_to_the_first_step():
+    """`benchmarks/input_walk.py` names the modules `x` passes through,
+    the wrapper's entry first, and counts them."""
+    script = os.path.join(ROOT, "benchmarks", "input_walk.py")
+    done = subprocess.run([sys.executable, script], capture_output=True,
+                          text=True, timeout=TIMEOUT, cwd=ROOT)
+    assert done.returncode == 0, done.stderr[-2000:]
+    path, summary = done.stdout.strip().splitlines()[-2:]
+    modules = path.split(" -> ")
+    assert modules[:2] == ["mirrored_model.py", "wrapper/_fit_input.py"]
+    counts = summary.split(": ")[1].split(", ")
+    assert int(counts[0].split()[0]) == len(set(modules))
+    assert int(counts[1].split()[0]) == len(modules) - len(set(modules))
