@@ -43,6 +43,7 @@ import tensorflow as tf
 from keras_mirror import _compat
 from keras_mirror import errors
 from keras_mirror import split
+from keras_mirror.distribute import _input_fn
 from keras_mirror.distribute import _multi_worker
 from keras_mirror.distribute import _pipeline_graph
 
@@ -148,7 +149,7 @@ def _dataset_shard(x, facts, num_shards, index):
     return shard.rebatch(rows, drop_remainder=facts.drop_remainder)
 
 
-def _fn_shard(input_fn, num_shards, index):
+def _fn_dataset(input_fn, num_shards, index):
     shard = input_fn(tf.distribute.InputContext(num_shards, index,
                                                 num_shards))
     if not isinstance(shard, tf.data.Dataset):
@@ -156,8 +157,22 @@ def _fn_shard(input_fn, num_shards, index):
             "`input_fn` must return a `tf.data.Dataset` for its "
             "`input_context` (one virtual shard). "
             f"Received: input_fn(...) returned {type(shard).__name__}")
-    _check_pipeline(_pipeline_graph.inspect(shard), num_shards, True)
     return shard
+
+
+def _fn_shards(input_fn, num_shards, mine):
+    """This worker's shards of `input_fn`, checked against every shard's
+    element spec (the other workers' shards are made, never read), so
+    that every worker refuses a mismatch before any step."""
+    _input_fn.check_signature(input_fn)
+    shards = {v: _fn_dataset(input_fn, num_shards, v) for v in mine}
+    _input_fn.check_specs(
+        [(shards[v] if v in shards else _fn_dataset(
+            input_fn, num_shards, v)).element_spec
+         for v in range(num_shards)], "input_fn")
+    for shard in shards.values():
+        _check_pipeline(_pipeline_graph.inspect(shard), num_shards, True)
+    return [shards[v] for v in mine]
 
 
 def _rows(element):
@@ -242,8 +257,11 @@ def fit_dataset(mirrored, x):
         _check_pipeline(facts, num_shards, False)
     position = mirrored.local_replica_ids[0] // len(mirrored.devices)
     mine = hosted(num_shards, mirrored.num_workers, position)
-    shards = [_fn_shard(x, num_shards, v) if from_fn else
-              _dataset_shard(x, facts, num_shards, v) for v in mine]
+    if from_fn:
+        shards = _fn_shards(x, num_shards, mine)
+    else:
+        shards = [_dataset_shard(x, facts, num_shards, v) for v in mine]
+        _input_fn.check_specs([s.element_spec for s in shards], "x")
     files = "" if facts is None or facts.files is None else (
         f", {len(file_shares(facts.files, num_shards, mine))} of "
         f"{len(facts.files)} files")

@@ -251,6 +251,19 @@ def fits(shape, expected):
         for s, e in zip(shape[1:], expected[1:]))
 
 
+def is_strings(dtype):
+    """Whether `dtype` (NumPy's, TensorFlow's or a Keras name) holds
+    strings."""
+    if dtype is None:
+        return False
+    if isinstance(dtype, tf.dtypes.DType) or dtype == "string":
+        return dtype in (tf.string, "string")
+    try:
+        return np.dtype(dtype).kind in "US"
+    except TypeError:
+        return False
+
+
 def _same_shapes(first, items, holder):
     """`items`, refusing an element whose structure or ranks differ from
     the first's, or whose inputs do not fit the model's input shapes

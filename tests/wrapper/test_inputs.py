@@ -1,5 +1,7 @@
 """`wrapper._inputs`: batches for building, without reading the input."""
 
+import re
+
 import keras
 import numpy as np
 import pytest
@@ -129,3 +131,27 @@ def test_generator_per_replica_short_last_group_is_refused(cpus):
             r"batches is short. Received: a final group of 2 batch\(es\) "
             "from the generator `x`")):
         _mirrored(cpus).fit(iter(elements), epochs=1, verbose=0)
+
+
+def test_is_strings_reads_every_kind_of_dtype():
+    for dtype in ("string", tf.string, np.dtype("<U3"), "<U3", "S2"):
+        assert _inputs.is_strings(dtype), dtype
+    for dtype in (None, "float32", tf.float32, np.dtype("float32"), "int64",
+                  "bfloat16", np.dtype("O")):
+        assert not _inputs.is_strings(dtype), dtype
+
+
+def test_strings_for_a_numeric_input_are_refused_before_a_step(cpus):
+    # TensorFlow failed in the step: "Cast string to float is not
+    # supported".
+    mirrored = keras_mirror.MirroredModel(mlp(), devices=cpus)
+    mirrored.compile(optimizer="sgd", loss="mse")
+    text = np.full((8, 6), "a")
+    ds = tf.data.Dataset.from_tensor_slices((text, np.ones((8, 1)))).batch(4)
+    for x, y, shown in ((ds, None, "tf.string"), (text, np.ones((8, 1)),
+                                                  "dtype('<U1')")):
+        with pytest.raises(ValueError, match=(
+                r"`x` must hold numbers for the model's input of dtype "
+                rf"float32\. Received: x with dtype={re.escape(shown)}")):
+            mirrored.fit(x, y, epochs=1, verbose=0)
+    assert int(mirrored.optimizer.iterations.numpy()) == 0
