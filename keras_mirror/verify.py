@@ -28,6 +28,8 @@ import tensorflow as tf
 
 from keras_mirror import _compat
 from keras_mirror.distribute import _homes
+from keras_mirror.distribute import _input_fn
+from keras_mirror.wrapper import _arguments
 from keras_mirror.wrapper import _compile
 from keras_mirror.wrapper import _fit_input
 from keras_mirror.wrapper import _inputs
@@ -106,7 +108,8 @@ def verify(mirrored, x, y=None, batch_size=None, steps=3, tolerance=1e-5,
     `validation_data`, `callbacks`, ...); `epochs`, `steps_per_epoch` and
     `verbose` are verify's own.
     """
-    _check(steps, tolerance, fit_kwargs)
+    _check(x, steps, tolerance, fit_kwargs)
+    steps, tolerance = int(steps), float(tolerance)
     _compile.require_compiled(mirrored, "verify")
     x = _replayable(x, steps * (mirrored.num_replicas
                                 if mirrored.batch_mode == "per_replica"
@@ -135,12 +138,12 @@ def verify(mirrored, x, y=None, batch_size=None, steps=3, tolerance=1e-5,
                         min(len(ours.steps), len(theirs.steps)), tolerance)
 
 
-def _check(steps, tolerance, fit_kwargs):
-    if isinstance(steps, bool) or not isinstance(steps, int) or steps < 1:
+def _check(x, steps, tolerance, fit_kwargs):
+    _input_fn.check_input("x", x)
+    if not _arguments.is_int(steps) or steps < 1:
         raise ValueError(
             f"`steps` must be a positive integer. Received: steps={steps!r}")
-    if isinstance(tolerance, bool) or \
-            not isinstance(tolerance, (int, float)) or \
+    if not _arguments.is_number(tolerance) or \
             not math.isfinite(tolerance) or tolerance < 0:
         raise ValueError(
             "`tolerance` must be a finite non-negative number. "
@@ -154,21 +157,20 @@ def _check(steps, tolerance, fit_kwargs):
                 f"Received: {name}={fit_kwargs[name]!r}")
 
 
+def _callback_items(callbacks):
+    if isinstance(callbacks, keras.callbacks.CallbackList):
+        return list(callbacks.callbacks)
+    return list(callbacks or [])
+
+
 def _check_callbacks(callbacks):
     """Refuses what `fit` cannot take, before anything runs or is touched.
 
     A `StepBackup` is refused: verify runs two scratch trainings that must
     not write (or resume from) the user's backup directory.
     """
-    if callbacks is None:
-        return
-    if isinstance(callbacks, (str, bytes, keras.callbacks.Callback)) or \
-            not isinstance(callbacks, (list, tuple)) or not all(
-                isinstance(c, keras.callbacks.Callback) for c in callbacks):
-        raise ValueError(
-            "`callbacks` must be a list of `keras.callbacks.Callback` "
-            f"instances. Received: callbacks={callbacks!r}")
-    for c in callbacks:
+    _arguments.check_callbacks(callbacks)
+    for c in _callback_items(callbacks):
         if any(t.__name__ == "StepBackup" for t in type(c).__mro__):
             raise ValueError(
                 "`verify` runs two scratch trainings and cannot take a "
@@ -220,7 +222,8 @@ def _floats(logs):
 def _run(fit, x, y, batch_size, steps, fit_kwargs):
     recorder = _Recorder()
     kwargs = dict(fit_kwargs)
-    kwargs["callbacks"] = [recorder] + list(kwargs.get("callbacks") or [])
+    kwargs["callbacks"] = [recorder] + _callback_items(
+        kwargs.get("callbacks"))
     fit(x, y, batch_size=batch_size, epochs=1, steps_per_epoch=steps,
         verbose=0, **kwargs)
     return recorder
