@@ -486,6 +486,17 @@ CASES = {
         lambda cpus: _fit(cpus, _ds(X, Y), steps_per_epoch=10),
         ValueError, r"`steps_per_epoch` must be at most the 4 step\(s\).*"
         r"Received: steps_per_epoch=10"),
+    "steps_per_epoch_endless": Case(
+        "steps_per_epoch", "None for a dataset repeated forever",
+        lambda cpus: _fit(cpus, _ds(X, Y).repeat()),
+        ValueError, r"`steps_per_epoch` must be given for an endless `x` "
+        r"\(a dataset repeated forever, `\.repeat\(\)`\): without it the "
+        r"epoch never ends\..*Received: steps_per_epoch=None"),
+    "validation_steps_endless": Case(
+        "validation_steps", "None for validation_data repeated forever",
+        lambda cpus: _fit(cpus, X, Y, validation_data=_ds(X, Y).repeat()),
+        ValueError, r"`validation_steps` must be given for an endless "
+        r"`validation_data`.*Received: validation_steps=None"),
     "steps_per_epoch_zero": Case(
         "steps_per_epoch", "0",
         lambda cpus: _fit(cpus, X, Y, steps_per_epoch=0),

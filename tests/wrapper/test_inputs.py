@@ -155,3 +155,47 @@ def test_strings_for_a_numeric_input_are_refused_before_a_step(cpus):
                 rf"float32\. Received: x with dtype={re.escape(shown)}")):
             mirrored.fit(x, y, epochs=1, verbose=0)
     assert int(mirrored.optimizer.iterations.numpy()) == 0
+
+
+_ENDLESS = (r"`{steps}` must be given for an endless `{name}` \(a dataset "
+            r"repeated forever, `\.repeat\(\)`\): without it the epoch never "
+            r"ends\. Pass `{steps}=\.\.\.`, or repeat the dataset a finite "
+            r"number of times\. Received: {steps}=None")
+
+
+@pytest.mark.timeout(120)  # each call ran forever, as in plain Keras 3
+def test_an_endless_dataset_needs_its_step_count(cpus):
+    mirrored = keras_mirror.MirroredModel(mlp(), devices=cpus)
+    mirrored.compile(optimizer="sgd", loss="mse")
+    x, y, _ = data(8)
+    endless = tf.data.Dataset.from_tensor_slices((x, y)).batch(4).repeat()
+    calls = {
+        ("x", "steps_per_epoch"): lambda: mirrored.fit(endless, verbose=0),
+        ("validation_data", "validation_steps"): lambda: mirrored.fit(
+            x, y, validation_data=endless, verbose=0),
+        ("x", "steps"): lambda: mirrored.evaluate(endless, verbose=0),
+    }
+    for (name, steps), call in calls.items():
+        with pytest.raises(ValueError, match=_ENDLESS.format(
+                name=name, steps=steps)):
+            call()
+    with pytest.raises(ValueError, match=_ENDLESS.format(
+            name="x", steps="steps")):
+        mirrored.predict(endless.map(lambda a, b: a), verbose=0)
+    assert int(mirrored.optimizer.iterations.numpy()) == 0
+    # With the step counts, all of them run.
+    mirrored.fit(endless, steps_per_epoch=3, validation_data=endless,
+                 validation_steps=1, verbose=0)
+    assert int(mirrored.optimizer.iterations.numpy()) == 3
+    mirrored.evaluate(endless, steps=2, verbose=0)
+
+
+def test_refuse_endless_reads_cardinality_only():
+    finite = tf.data.Dataset.range(3)
+    unknown = finite.filter(lambda v: v > 0)
+    for x in (finite, unknown, [finite, unknown], np.zeros(3), None):
+        _inputs.refuse_endless("x", x, "steps", None)
+    with pytest.raises(ValueError, match="Received: steps=None"):
+        _inputs.refuse_endless("x", [finite, finite.repeat()], "steps",
+                               None)
+    _inputs.refuse_endless("x", finite.repeat(), "steps", 2)
