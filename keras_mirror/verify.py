@@ -140,6 +140,7 @@ def verify(mirrored, x, y=None, batch_size=None, steps=3, tolerance=1e-5,
 
 def _check(x, steps, tolerance, fit_kwargs):
     _input_fn.check_input("x", x)
+    _input_fn.refuse_hint("x", x)
     if not _arguments.is_int(steps) or steps < 1:
         raise ValueError(
             f"`steps` must be a positive integer. Received: steps={steps!r}")

@@ -497,6 +497,15 @@ CASES = {
         lambda cpus: _fit(cpus, X, Y, validation_data=_ds(X, Y).repeat()),
         ValueError, r"`validation_steps` must be given for an endless "
         r"`validation_data`.*Received: validation_steps=None"),
+    "shard_hint_validation_data": Case(
+        "validation_data", "a pipeline holding `shard(SHARD_HINT, "
+        "SHARD_HINT)` (it failed after an epoch of training)",
+        lambda cpus: _fit(cpus, X, Y, validation_data=_ds(X, Y).shard(
+            tf.data.experimental.SHARD_HINT,
+            tf.data.experimental.SHARD_HINT)),
+        ValueError, r"`validation_data` must not hold `\.shard\(tf\.data"
+        r"\.experimental\.SHARD_HINT, .*Received: validation_data with "
+        r"`shard\(SHARD_HINT, SHARD_HINT\)`"),
     "steps_per_epoch_zero": Case(
         "steps_per_epoch", "0",
         lambda cpus: _fit(cpus, X, Y, steps_per_epoch=0),

@@ -10,12 +10,15 @@ neither `input_fn` nor the shard.
 
 Also the refusal of an `x` no input adapter reads: None, a number, or a
 function where no virtual shards call it (`worker_input="replicate"`,
-`evaluate`, `predict`, `verify`, ...).
+`evaluate`, `predict`, `verify`, ...), and of a `SHARD_HINT` pipeline
+there.
 """
 
 import inspect
 
 import tensorflow as tf
+
+from keras_mirror import _compat
 
 
 def check_signature(input_fn):
@@ -114,3 +117,17 @@ def check_input(name, value):
             "`worker_input='shard'`, in virtual shards; here pass its "
             "dataset, e.g. `input_fn(tf.distribute.InputContext())`. "
             f"Received: {name}={_name(value)}")
+
+
+def refuse_hint(name, x):
+    """Refuses a pipeline holding `shard(SHARD_HINT, SHARD_HINT)` where no
+    virtual shards read it: TensorFlow fails at its first read (after a
+    whole epoch of training, for `validation_data`)."""
+    if isinstance(x, tf.data.Dataset) and _compat.has_shard_hint(x):
+        raise ValueError(
+            f"`{name}` must not hold `.shard(tf.data.experimental.SHARD_HINT"
+            ", tf.data.experimental.SHARD_HINT)` here: only the `x` of `fit` "
+            "with `worker_input='shard'` reads it (cut into virtual "
+            "shards), and TensorFlow refuses it anywhere else. Remove that "
+            "`shard`, or pass `worker_input='shard'` to `MirroredModel`. "
+            f"Received: {name} with `shard(SHARD_HINT, SHARD_HINT)`")

@@ -199,3 +199,42 @@ def test_describe_shows_dtypes_and_shapes():
             tf.RaggedTensorSpec((None, None), tf.float32))
     assert _input_fn.describe(spec) == (
         "(float32 (None, 3), {b: int64 (unknown rank)}, RaggedTensorSpec)")
+
+
+_HINT = re.escape(
+    "must not hold `.shard(tf.data.experimental.SHARD_HINT, "
+    "tf.data.experimental.SHARD_HINT)` here: only the `x` of `fit` with "
+    "`worker_input='shard'` reads it (cut into virtual shards), and "
+    "TensorFlow refuses it anywhere else. Remove that `shard`, or pass "
+    "`worker_input='shard'` to `MirroredModel`. Received: ")
+
+
+def _hinted():
+    hint = tf.data.experimental.SHARD_HINT
+    return tf.data.Dataset.from_tensor_slices((X, Y)).shard(hint, hint).batch(
+        4)
+
+
+@pytest.mark.parametrize("name, call", [
+    ("x", lambda m: m.fit(_hinted(), verbose=0)),
+    # It failed after a whole epoch of training.
+    ("validation_data", lambda m: m.fit(X, Y, validation_data=_hinted(),
+                                        verbose=0)),
+    ("x", lambda m: m.evaluate(_hinted(), verbose=0)),
+    ("x", lambda m: m.predict(_hinted().map(lambda a, b: a), verbose=0)),
+    ("x", lambda m: m.verify(_hinted(), steps=1)),
+], ids=["fit", "validation_data", "evaluate", "predict", "verify"])
+def test_a_shard_hint_where_no_virtual_shards_read_it(cpus, name, call):
+    mirrored = _mirrored(cpus, worker_input="replicate", virtual_shards=None)
+    with pytest.raises(ValueError, match=f"`{name}` " + _HINT + re.escape(
+            f"{name} with `shard(SHARD_HINT, SHARD_HINT)`")):
+        call(mirrored)
+    assert int(mirrored.optimizer.iterations.numpy()) == 0
+
+
+def test_a_shard_hint_as_validation_data_in_shard_mode(cpus):
+    mirrored = _mirrored(cpus)
+    with pytest.raises(ValueError, match="`validation_data` " + _HINT):
+        mirrored.fit(_hinted(), validation_data=_hinted(), verbose=0)
+    mirrored.fit(_hinted(), validation_data=_shard(X, Y), verbose=0)
+    assert int(mirrored.optimizer.iterations.numpy()) > 0
