@@ -29,6 +29,7 @@ import tensorflow as tf
 from keras_mirror import _compat
 from keras_mirror.distribute import _homes
 from keras_mirror.distribute import _input_fn
+from keras_mirror.distribute import _virtual_shards
 from keras_mirror.wrapper import _arguments
 from keras_mirror.wrapper import _compile
 from keras_mirror.wrapper import _fit_input
@@ -108,15 +109,26 @@ def verify(mirrored, x, y=None, batch_size=None, steps=3, tolerance=1e-5,
     `validation_data`, `callbacks`, ...); `epochs`, `steps_per_epoch` and
     `verbose` are verify's own.
     """
-    _check(x, steps, tolerance, fit_kwargs)
+    virtual = _virtual_shards.applies(mirrored, x)
+    if virtual and mirrored.num_workers > 1:
+        raise ValueError(
+            "`verify` compares with one device, which reads every virtual "
+            "shard; on a cluster each worker reads only its own. Run it in "
+            "one process with the same `virtual_shards`. "
+            f"Received: worker_input='shard' on {mirrored.num_workers} "
+            "workers")
+    _check(x, steps, tolerance, fit_kwargs, virtual)
     steps, tolerance = int(steps), float(tolerance)
     _compile.require_compiled(mirrored, "verify")
     x = _replayable(x, steps * (mirrored.num_replicas
                                 if mirrored.batch_mode == "per_replica"
                                 else 1))
-    first = _inputs.First(x)
+    # With virtual shards, one device trains on the global batches they
+    # make (in one process: every shard), not on the pipeline's own.
+    source = _virtual_shards.fit_dataset(mirrored, x) if virtual else x
+    first = _inputs.First(source)
     reference_x, reference_batch = _fit_input.adapt(
-        mirrored, x, batch_size, first)
+        mirrored, source, batch_size, first)
     _compile.ensure_built(mirrored, reference_x, y,
                           fit_kwargs.get("sample_weight"), first)
     state = _Snapshot(mirrored)
@@ -138,9 +150,10 @@ def verify(mirrored, x, y=None, batch_size=None, steps=3, tolerance=1e-5,
                         min(len(ours.steps), len(theirs.steps)), tolerance)
 
 
-def _check(x, steps, tolerance, fit_kwargs):
-    _input_fn.check_input("x", x)
-    _input_fn.refuse_hint("x", x)
+def _check(x, steps, tolerance, fit_kwargs, virtual):
+    if not virtual:
+        _input_fn.check_input("x", x)
+        _input_fn.refuse_hint("x", x)
     if not _arguments.is_int(steps) or steps < 1:
         raise ValueError(
             f"`steps` must be a positive integer. Received: steps={steps!r}")

@@ -354,3 +354,28 @@ def test_public_import_paths(execution):
     assert VerifyReport is same is keras_mirror.VerifyReport
     assert "VerifyReport" in keras_mirror.__all__
     assert keras_mirror.MirroredModel.verify.__doc__
+
+
+@pytest.mark.parametrize("execution", ["strategy"], indirect=True)
+@pytest.mark.parametrize("form", ["dataset", "input_fn"])
+def test_virtual_shards_are_compared_on_their_own_global_batches(
+        cpus, execution, tmp_path, form):
+    # One device read the pipeline's own batches, not the global batches
+    # the virtual shards make: a 0.05 weight difference, "NOT exact".
+    import importlib.util
+
+    from support import helpers
+
+    spec = importlib.util.spec_from_file_location(
+        "vs_train", helpers.WORKERS / "vs_train.py")
+    vs_train = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(vs_train)
+    vs_train.write_files(str(tmp_path))
+    mirrored = keras_mirror.MirroredModel(
+        vs_train.model(), devices=cpus[:2], worker_input="shard",
+        virtual_shards=6)
+    mirrored.compile(optimizer=vs_train.optimizer(), loss="mse")
+    x = vs_train.pipeline(str(tmp_path)) if form == "dataset" else \
+        vs_train.input_fn(str(tmp_path), tf.Variable(0, dtype=tf.int64))
+    report = mirrored.verify(x, steps=3)
+    assert report.exact and report.steps == 3, report
