@@ -16,6 +16,7 @@ there.
 
 import inspect
 
+import numpy as np
 import tensorflow as tf
 
 from keras_mirror import _compat
@@ -103,7 +104,8 @@ def check_input(name, value):
     """Refuses an `x` that no input adapter reads: None, a number, or a
     function where no virtual shards call it (`worker_input="replicate"`,
     `evaluate`, `predict`, `verify`, ...)."""
-    if value is None or isinstance(value, (bool, int, float, complex)):
+    if value is None or isinstance(value, (bool, int, float, complex,
+                                           np.number, np.bool_)):
         raise ValueError(
             f"`{name}` must be arrays, a `tf.data.Dataset`, a "
             "`keras.utils.PyDataset` or a generator. "

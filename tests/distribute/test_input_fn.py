@@ -177,7 +177,8 @@ def test_evaluate_and_predict_refuse_an_input_fn_in_shard_mode(cpus):
             call(good, verbose=0)
 
 
-@pytest.mark.parametrize("value", [None, 5, 2.5, True])
+@pytest.mark.parametrize("value", [None, 5, 2.5, True, np.int64(5),
+                                   np.bool_(False)])
 def test_none_or_a_number_as_x(cpus, value):
     mirrored = _mirrored(cpus, worker_input="replicate", virtual_shards=None)
     with pytest.raises(ValueError, match=re.escape(
