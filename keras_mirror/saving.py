@@ -35,6 +35,12 @@ _MAX_DEPTH = 100
 # under 1 MiB); weights and assets are as large as the model.
 MAX_JSON_BYTES = 64 * 2**20
 MAX_MEMBER_BYTES = 64 * 2**30
+# What the JSON members may hold: parsing makes a Python object of every
+# value and key (about 70 bytes each, and Keras parses `config.json` again),
+# so 64 MiB of `[{},{},...]` grew a process by 2.9 GB. A bound by counting
+# `,` `:` `[` `{` (strings included: it only overcounts); a large
+# keras_hub model's config holds about 50,000.
+MAX_JSON_VALUES = 2**20
 _JSON_MEMBERS = (_CONFIG, "metadata.json")
 _CHUNK = 2**20
 
@@ -136,7 +142,19 @@ def _read_member(archive, info, path):
                                  f"decompresses to more than {limit}", limit)
             if keep:
                 chunks.append(chunk)
-    return b"".join(chunks) if keep else None
+    if not keep:
+        return None
+    data = b"".join(chunks)
+    values = 1 + sum(data.count(c) for c in (b",", b":", b"[", b"{"))
+    if values > MAX_JSON_VALUES:
+        raise errors.UnsafeModelError(
+            f"`filepath` holds the archive member {info.filename!r}, which "
+            f"holds up to {values} JSON values; keras-mirror parses at most "
+            f"{MAX_JSON_VALUES} (`keras_mirror.saving.MAX_JSON_VALUES`): "
+            "each takes memory once parsed, so it refuses the file before "
+            "Keras reads it. Raise that limit only for a file you trust. "
+            f"Received: filepath={path!r}")
+    return data
 
 
 def _too_large(path, name, what, limit):
@@ -267,7 +285,8 @@ def load_model(filepath, devices=None, custom_objects=None, compile=True,
     and held to a limit, by its declared size and by the bytes it really
     decompresses to: `MAX_JSON_BYTES` (64 MiB) for `config.json` and
     `metadata.json`, `MAX_MEMBER_BYTES` (64 GiB) for the weights and each
-    asset. Both are attributes of `keras_mirror.saving`, to raise for a
+    asset; the JSON members hold at most `MAX_JSON_VALUES` (1,048,576)
+    values. All are attributes of `keras_mirror.saving`, to raise for a
     file you trust.
 
     Args:

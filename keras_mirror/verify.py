@@ -28,6 +28,9 @@ import tensorflow as tf
 
 from keras_mirror import _compat
 from keras_mirror.distribute import _homes
+from keras_mirror.distribute import _input_fn
+from keras_mirror.distribute import _virtual_shards
+from keras_mirror.wrapper import _arguments
 from keras_mirror.wrapper import _compile
 from keras_mirror.wrapper import _fit_input
 from keras_mirror.wrapper import _inputs
@@ -106,14 +109,26 @@ def verify(mirrored, x, y=None, batch_size=None, steps=3, tolerance=1e-5,
     `validation_data`, `callbacks`, ...); `epochs`, `steps_per_epoch` and
     `verbose` are verify's own.
     """
-    _check(steps, tolerance, fit_kwargs)
+    virtual = _virtual_shards.applies(mirrored, x)
+    if virtual and mirrored.num_workers > 1:
+        raise ValueError(
+            "`verify` compares with one device, which reads every virtual "
+            "shard; on a cluster each worker reads only its own. Run it in "
+            "one process with the same `virtual_shards`. "
+            f"Received: worker_input='shard' on {mirrored.num_workers} "
+            "workers")
+    _check(x, steps, tolerance, fit_kwargs, virtual)
+    steps, tolerance = int(steps), float(tolerance)
     _compile.require_compiled(mirrored, "verify")
     x = _replayable(x, steps * (mirrored.num_replicas
                                 if mirrored.batch_mode == "per_replica"
                                 else 1))
-    first = _inputs.First(x)
+    # With virtual shards, one device trains on the global batches they
+    # make (in one process: every shard), not on the pipeline's own.
+    source = _virtual_shards.fit_dataset(mirrored, x) if virtual else x
+    first = _inputs.First(source)
     reference_x, reference_batch = _fit_input.adapt(
-        mirrored, x, batch_size, first)
+        mirrored, source, batch_size, first)
     _compile.ensure_built(mirrored, reference_x, y,
                           fit_kwargs.get("sample_weight"), first)
     state = _Snapshot(mirrored)
@@ -135,12 +150,14 @@ def verify(mirrored, x, y=None, batch_size=None, steps=3, tolerance=1e-5,
                         min(len(ours.steps), len(theirs.steps)), tolerance)
 
 
-def _check(steps, tolerance, fit_kwargs):
-    if isinstance(steps, bool) or not isinstance(steps, int) or steps < 1:
+def _check(x, steps, tolerance, fit_kwargs, virtual):
+    if not virtual:
+        _input_fn.check_input("x", x)
+        _input_fn.refuse_hint("x", x)
+    if not _arguments.is_int(steps) or steps < 1:
         raise ValueError(
             f"`steps` must be a positive integer. Received: steps={steps!r}")
-    if isinstance(tolerance, bool) or \
-            not isinstance(tolerance, (int, float)) or \
+    if not _arguments.is_number(tolerance) or \
             not math.isfinite(tolerance) or tolerance < 0:
         raise ValueError(
             "`tolerance` must be a finite non-negative number. "
@@ -154,21 +171,20 @@ def _check(steps, tolerance, fit_kwargs):
                 f"Received: {name}={fit_kwargs[name]!r}")
 
 
+def _callback_items(callbacks):
+    if isinstance(callbacks, keras.callbacks.CallbackList):
+        return list(callbacks.callbacks)
+    return list(callbacks or [])
+
+
 def _check_callbacks(callbacks):
     """Refuses what `fit` cannot take, before anything runs or is touched.
 
     A `StepBackup` is refused: verify runs two scratch trainings that must
     not write (or resume from) the user's backup directory.
     """
-    if callbacks is None:
-        return
-    if isinstance(callbacks, (str, bytes, keras.callbacks.Callback)) or \
-            not isinstance(callbacks, (list, tuple)) or not all(
-                isinstance(c, keras.callbacks.Callback) for c in callbacks):
-        raise ValueError(
-            "`callbacks` must be a list of `keras.callbacks.Callback` "
-            f"instances. Received: callbacks={callbacks!r}")
-    for c in callbacks:
+    _arguments.check_callbacks(callbacks)
+    for c in _callback_items(callbacks):
         if any(t.__name__ == "StepBackup" for t in type(c).__mro__):
             raise ValueError(
                 "`verify` runs two scratch trainings and cannot take a "
@@ -220,7 +236,8 @@ def _floats(logs):
 def _run(fit, x, y, batch_size, steps, fit_kwargs):
     recorder = _Recorder()
     kwargs = dict(fit_kwargs)
-    kwargs["callbacks"] = [recorder] + list(kwargs.get("callbacks") or [])
+    kwargs["callbacks"] = [recorder] + _callback_items(
+        kwargs.get("callbacks"))
     fit(x, y, batch_size=batch_size, epochs=1, steps_per_epoch=steps,
         verbose=0, **kwargs)
     return recorder

@@ -486,6 +486,26 @@ CASES = {
         lambda cpus: _fit(cpus, _ds(X, Y), steps_per_epoch=10),
         ValueError, r"`steps_per_epoch` must be at most the 4 step\(s\).*"
         r"Received: steps_per_epoch=10"),
+    "steps_per_epoch_endless": Case(
+        "steps_per_epoch", "None for a dataset repeated forever",
+        lambda cpus: _fit(cpus, _ds(X, Y).repeat()),
+        ValueError, r"`steps_per_epoch` must be given for an endless `x` "
+        r"\(a dataset repeated forever, `\.repeat\(\)`\): without it the "
+        r"epoch never ends\..*Received: steps_per_epoch=None"),
+    "validation_steps_endless": Case(
+        "validation_steps", "None for validation_data repeated forever",
+        lambda cpus: _fit(cpus, X, Y, validation_data=_ds(X, Y).repeat()),
+        ValueError, r"`validation_steps` must be given for an endless "
+        r"`validation_data`.*Received: validation_steps=None"),
+    "shard_hint_validation_data": Case(
+        "validation_data", "a pipeline holding `shard(SHARD_HINT, "
+        "SHARD_HINT)` (it failed after an epoch of training)",
+        lambda cpus: _fit(cpus, X, Y, validation_data=_ds(X, Y).shard(
+            tf.data.experimental.SHARD_HINT,
+            tf.data.experimental.SHARD_HINT)),
+        ValueError, r"`validation_data` must not hold `\.shard\(tf\.data"
+        r"\.experimental\.SHARD_HINT, .*Received: validation_data with "
+        r"`shard\(SHARD_HINT, SHARD_HINT\)`"),
     "steps_per_epoch_zero": Case(
         "steps_per_epoch", "0",
         lambda cpus: _fit(cpus, X, Y, steps_per_epoch=0),
@@ -777,7 +797,73 @@ CASES = {
         lambda cpus: _mirrored(cpus).verify(X, Y, tolerance=-1),
         ValueError, r"`tolerance` must be a finite non-negative number\. "
         r"Received: tolerance=-1"),
+    # -- issue 41 ----------------------------------------------------------
+    "input_fn_no_argument": Case(
+        "input_fn", "a function of no argument, worker_input='shard'",
+        lambda cpus: _shard_fit(cpus, lambda: _ds(X, Y)),
+        ValueError, r"`input_fn` must take one argument, its virtual "
+        r"shard's `tf.distribute.InputContext`.*Received: "
+        r"input_fn=<lambda>\(\)"),
+    "input_fn_shard_dtypes": Case(
+        "input_fn", "float32 in virtual shard 0, float64 in shard 1",
+        lambda cpus: _shard_fit(cpus, lambda c: _ds(
+            X.astype(f"float{32 * (1 + c.input_pipeline_id)}"), Y)),
+        ValueError, r"`input_fn` must give every virtual shard the same "
+        r"structure, dtypes and shapes.*Received: virtual shard 1 yields "
+        r"\(float64 \(None, 3\), float32 \(None, 1\)\), virtual shard 0 "
+        r"yields \(float32"),
+    "x_function": Case(
+        "x", "an `input_fn` with worker_input='replicate'",
+        lambda cpus: _fit(cpus, _input_function),
+        ValueError, r"`x` must be arrays, .* A function "
+        r"\(`input_fn\(input_context\)`\) is read only by `fit` with "
+        r"`worker_input='shard'`.*Received: x=_input_function"),
+    "x_none": Case(
+        "x", "None", lambda cpus: _fit(cpus, None, Y),
+        ValueError, r"`x` must be arrays, a `tf.data.Dataset`, a "
+        r"`keras.utils.PyDataset` or a generator\. Received: x=None"),
+    "x_strings_for_numbers": Case(
+        "x", "a dataset of strings for a float32 input",
+        lambda cpus: _fit(cpus, _ds(np.full((8, 3), "a"), Y)),
+        ValueError, r"`x` must hold numbers for the model's input of dtype "
+        r"float32\. Received: x with dtype=tf.string"),
+    "callbacks_class": Case(
+        "callbacks", "[keras.callbacks.History] (the class)",
+        lambda cpus: _fit(cpus, X, Y, callbacks=[keras.callbacks.History]),
+        ValueError, r"`callbacks` must be a list of .* `History` is a "
+        r"class: pass an instance, `History\(...\)`\. Received: "
+        r"callbacks\[0\]=<class"),
+    "callbacks_item": Case(
+        "callbacks", "[History(), 3]",
+        lambda cpus: _fit(cpus, X, Y,
+                          callbacks=[keras.callbacks.History(), 3]),
+        ValueError, r"`callbacks` must be a list of .*Received: "
+        r"callbacks\[1\]=3$"),
+    "split_plan_replica_batch_size_global": Case(
+        "replica_batch_size", "4 with batch='global'",
+        lambda cpus: _mirrored(cpus).split_plan(13, replica_batch_size=4),
+        ValueError, r"`replica_batch_size` applies to `batch='per_replica'`"
+        r" only.*Received: replica_batch_size=4"),
+    "replica_tensorboard_log_dir_file": Case(
+        "log_dir", "the path of an existing file",
+        lambda cpus: keras_mirror.ReplicaTensorBoard(_a_file("logs")),
+        ValueError, r"`log_dir` must be a directory, or a path where one can"
+        r" be made: it names an existing file.*Received: log_dir='logs'"),
 }
+
+
+def _shard_fit(cpus, input_fn):
+    mirrored = _mirrored(cpus, worker_input="shard", virtual_shards=2)
+    mirrored.fit(input_fn, epochs=1, verbose=0)
+
+
+def _input_function(input_context):
+    return _ds(X, Y)
+
+
+def _a_file(name):
+    with open(name, "w"):
+        return name
 
 
 # -- issue 23: hostile files and impossible backups ------------------------

@@ -5,6 +5,8 @@ Also the tests of `keras_mirror/steps/_capacity.py`,
 `keras_mirror/wrapper/_replica_attributes.py`.
 """
 
+import re
+
 import keras
 import numpy as np
 import pytest
@@ -107,6 +109,29 @@ def test_split_plan_rules(cpus):
                                              batch="per_replica")
     assert per_replica.split_plan(13, replica_batch_size=4) == (4, 4, 4, 1)
     assert per_replica.split_plan(5, replica_batch_size=4) == (4, 1, 0, 0)
+
+
+def test_split_plan_takes_numpy_integers_as_fit_does(cpus):
+    mirrored = keras_mirror.MirroredModel(mlp(), devices=cpus)
+    plan = mirrored.split_plan(np.int64(10))
+    assert plan == (3, 3, 2, 2) and all(type(n) is int for n in plan)
+    per_replica = keras_mirror.MirroredModel(mlp(), devices=cpus,
+                                             batch="per_replica")
+    assert per_replica.split_plan(np.int32(13), replica_batch_size=np.int64(
+        4)) == (4, 4, 4, 1)
+    with pytest.raises(ValueError, match=r"Received: batch_size=np\.True_"):
+        per_replica.split_plan(np.bool_(True))
+
+
+def test_split_plan_refuses_a_replica_batch_size_in_global_mode(cpus):
+    # It was ignored: the plan of another split was returned.
+    mirrored = keras_mirror.MirroredModel(mlp(), devices=cpus)
+    for value in (4, -5, "4"):
+        with pytest.raises(ValueError, match=re.escape(
+                "`replica_batch_size` applies to `batch='per_replica'` "
+                "only: with batch='global' the global batch is split "
+                f"evenly. Received: replica_batch_size={value!r}")):
+            mirrored.split_plan(13, replica_batch_size=value)
 
 
 @pytest.mark.parametrize("value,message", [

@@ -214,6 +214,62 @@ def keras_never_loads(monkeypatch):
 def test_default_member_limits():
     assert saving.MAX_JSON_BYTES == 64 * 2**20
     assert saving.MAX_MEMBER_BYTES == 64 * 2**30
+    assert saving.MAX_JSON_VALUES == 2**20
+
+
+def _dense_json(config, values):
+    """`config` (bytes) with a list of `values` empty objects added."""
+    head, _, _ = config.rpartition(b"}")
+    return head + b', "pad": [' + b"{}," * (values - 1) + b"{}]}"
+
+
+def _too_many(member, values, limit, path):
+    return re.escape(
+        f"`filepath` holds the archive member '{member}', which holds up "
+        f"to {values} JSON values; keras-mirror parses at most {limit} "
+        "(`keras_mirror.saving.MAX_JSON_VALUES`): each takes memory once "
+        "parsed, so it refuses the file before Keras reads it. Raise that "
+        f"limit only for a file you trust. Received: filepath='{path}'")
+
+
+@pytest.mark.parametrize("member", ["config.json", "metadata.json"])
+def test_json_of_too_many_values_is_refused(tmp_path, monkeypatch, member):
+    # Under the byte limit, 64 MiB of `[{},{},...]` made 20 million objects
+    # (the process grew by 2.9 GB); the value count is held to a limit.
+    members = _members(_saved(tmp_path))
+    members[member] = _dense_json(members[member], 1000)
+    path = _archive(tmp_path / "dense.keras", members)
+    data = members[member]
+    counted = 1 + sum(data.count(c) for c in (b",", b":", b"[", b"{"))
+    monkeypatch.setattr(saving, "MAX_JSON_VALUES", counted - 1)
+    with pytest.raises(errors.UnsafeModelError, match=_too_many(
+            member, counted, counted - 1, path)):
+        saving.load_model(path)
+    monkeypatch.setattr(saving, "MAX_JSON_VALUES", counted)  # at the limit
+    assert isinstance(saving.load_model(path), keras.Model)
+
+
+def test_dense_json_bomb_is_refused_within_bounded_memory(
+        tmp_path, keras_never_loads):
+    # A 10 KiB file: 8 MiB of `{},` deflated. Refused by the default limits
+    # before any of it is parsed: the bytes read are all it allocates.
+    import tracemalloc
+
+    members = _members(_saved(tmp_path))
+    members["config.json"] = _dense_json(members["config.json"],
+                                         8 * 2**20 // 3)
+    path = _archive(tmp_path / "bomb.keras", members, zipfile.ZIP_DEFLATED)
+    assert path.stat().st_size < 64 * 2**10
+    tracemalloc.start()
+    try:
+        with pytest.raises(errors.UnsafeModelError,
+                           match="JSON values; keras-mirror parses at most "
+                           "1048576"):
+            saving.load_model(path)
+        peak = tracemalloc.get_traced_memory()[1]
+    finally:
+        tracemalloc.stop()
+    assert peak < 40 * 2**20, peak  # parsed, it is about 400 MB
 
 
 @pytest.mark.parametrize("compression", [zipfile.ZIP_STORED,

@@ -282,6 +282,57 @@ def test_verify_refuses_its_own_arguments(cpus, execution):
         mirrored.verify(x, y, callbacks="tensorboard")
 
 
+@pytest.mark.parametrize("execution", ["strategy"], indirect=True)
+@pytest.mark.parametrize("name, bad", [
+    ("tolerance", np.float32("nan")), ("tolerance", np.bool_(True)),
+    ("tolerance", "1e-3"), ("tolerance", None), ("tolerance", 1j),
+    ("tolerance", np.array([1e-3])), ("steps", np.bool_(True)),
+    ("steps", 2.0), ("steps", "3"), ("steps", None)])
+def test_verify_refuses_every_kind_of_bad_number(cpus, execution, name,
+                                                 bad):
+    mirrored = _wrapped(_dense())
+    x, y = _data(8)
+    what = "a finite non-negative number" if name == "tolerance" \
+        else "a positive integer"
+    with pytest.raises(ValueError, match=re.escape(
+            f"`{name}` must be {what}. Received: {name}={bad!r}")):
+        mirrored.verify(x, y, **{name: bad})
+
+
+@pytest.mark.parametrize("execution", ["strategy"], indirect=True)
+def test_verify_takes_numpy_numbers_and_any_callback_container(cpus,
+                                                              execution):
+    # As `fit` does: NumPy scalars, a tuple or a `CallbackList`.
+    mirrored = _wrapped(_dense())
+    x, y = _data(8)
+    seen = []
+    probe = keras.callbacks.LambdaCallback(
+        on_train_batch_end=lambda batch, logs: seen.append(batch))
+    report = mirrored.verify(x, y, batch_size=4, steps=np.int64(2),
+                             tolerance=np.float32(1e-4), callbacks=(probe,))
+    assert report.steps == 2 and isinstance(report.tolerance, float)
+    assert seen == [0, 1, 0, 1]  # in both runs
+    seen.clear()
+    mirrored.verify(x, y, batch_size=4, steps=1,
+                    callbacks=keras.callbacks.CallbackList([probe]))
+    assert seen == [0, 0]
+
+
+@pytest.mark.parametrize("execution", ["strategy"], indirect=True)
+@pytest.mark.parametrize("bad, shown", [
+    (keras.callbacks.History, "callbacks=<class"),
+    ([keras.callbacks.History], "callbacks[0]=<class"),
+    ([keras.callbacks.History(), 3], "callbacks[1]=3"),
+    ({"tb": keras.callbacks.History()}, "callbacks={'tb'")])
+def test_verify_names_the_bad_callback(cpus, execution, bad, shown):
+    mirrored = _wrapped(_dense())
+    x, y = _data(8)
+    with pytest.raises(ValueError, match=r"`callbacks` must be a list of "
+                       r"`keras.callbacks.Callback` objects.*Received: "
+                       + re.escape(shown)):
+        mirrored.verify(x, y, callbacks=bad)
+
+
 def test_verify_refuses_a_step_backup_before_touching_it(cpus, tmp_path):
     mirrored = _wrapped(_dense())
     x, y = _data(8)
@@ -303,3 +354,28 @@ def test_public_import_paths(execution):
     assert VerifyReport is same is keras_mirror.VerifyReport
     assert "VerifyReport" in keras_mirror.__all__
     assert keras_mirror.MirroredModel.verify.__doc__
+
+
+@pytest.mark.parametrize("execution", ["strategy"], indirect=True)
+@pytest.mark.parametrize("form", ["dataset", "input_fn"])
+def test_virtual_shards_are_compared_on_their_own_global_batches(
+        cpus, execution, tmp_path, form):
+    # One device read the pipeline's own batches, not the global batches
+    # the virtual shards make: a 0.05 weight difference, "NOT exact".
+    import importlib.util
+
+    from support import helpers
+
+    spec = importlib.util.spec_from_file_location(
+        "vs_train", helpers.WORKERS / "vs_train.py")
+    vs_train = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(vs_train)
+    vs_train.write_files(str(tmp_path))
+    mirrored = keras_mirror.MirroredModel(
+        vs_train.model(), devices=cpus[:2], worker_input="shard",
+        virtual_shards=6)
+    mirrored.compile(optimizer=vs_train.optimizer(), loss="mse")
+    x = vs_train.pipeline(str(tmp_path)) if form == "dataset" else \
+        vs_train.input_fn(str(tmp_path), tf.Variable(0, dtype=tf.int64))
+    report = mirrored.verify(x, steps=3)
+    assert report.exact and report.steps == 3, report

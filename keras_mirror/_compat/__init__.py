@@ -134,6 +134,10 @@ from keras_mirror._compat.tf_distribute import (
 )
 from keras_mirror._compat.tf_distribute import _DATASET_GRAPH as _DATASET_GRAPH
 from keras_mirror._compat.tf_distribute import (
+    _DATASET_INPUTS as _DATASET_INPUTS,
+)
+from keras_mirror._compat.tf_distribute import _SHARD_COUNTS as _SHARD_COUNTS
+from keras_mirror._compat.tf_distribute import (
     _TF_COLLECTIVE_EXTENDED as _TF_COLLECTIVE_EXTENDED,
 )
 from keras_mirror._compat.tf_distribute import (
@@ -153,6 +157,7 @@ from keras_mirror._compat.tf_distribute import (
     collective_extended_on as collective_extended_on,
 )
 from keras_mirror._compat.tf_distribute import dataset_graph as dataset_graph
+from keras_mirror._compat.tf_distribute import has_shard_hint as has_shard_hint
 from keras_mirror._compat.tf_distribute import worker_device as worker_device
 from keras_mirror._compat.tf_kernels import _TF_ONEDNN_PROBE as _TF_ONEDNN_PROBE
 from keras_mirror._compat.tf_kernels import _TF_PORT_MODULE as _TF_PORT_MODULE

@@ -97,3 +97,31 @@ def dataset_graph(dataset):
     graph = graph_pb2.GraphDef()
     graph.ParseFromString(getattr(dataset, _DATASET_GRAPH)().numpy())
     return graph
+
+
+# A `.shard(SHARD_HINT, SHARD_HINT)` is read only by TensorFlow's
+# auto-sharding (a virtual shard's `_AutoShardDataset`); anywhere else the
+# pipeline fails at its first read, and reports 0 batches. A dataset's input
+# datasets are its `_inputs()`; a shard's counts are `_num_shards` and
+# `_index` (tensors, -1 for the hint).
+_DATASET_INPUTS = "_inputs"
+_SHARD_COUNTS = ("_num_shards", "_index")
+
+
+def has_shard_hint(dataset):
+    """Whether `dataset` or an input of it (not those inside its functions)
+    is a `shard(SHARD_HINT, SHARD_HINT)`."""
+    _require(dataset, (_DATASET_INPUTS,), "tf.data.Dataset",
+             "find a SHARD_HINT outside virtual shards")
+    todo, seen = [dataset], set()
+    while todo:
+        d = todo.pop()
+        if id(d) in seen:
+            continue
+        seen.add(id(d))
+        counts = [getattr(d, name, None) for name in _SHARD_COUNTS]
+        if all(c is not None for c in counts) and all(
+                int(c) == -1 for c in counts):
+            return True
+        todo.extend(getattr(d, _DATASET_INPUTS)())
+    return False

@@ -102,6 +102,11 @@ class ReplicaTensorBoard(keras.callbacks.Callback):
             raise ValueError(
                 "`log_dir` must be a non-empty str or path-like. "
                 f"Received: log_dir={log_dir!r}")
+        if os.path.exists(log_dir) and not os.path.isdir(log_dir):
+            raise ValueError(
+                "`log_dir` must be a directory, or a path where one can be "
+                "made: it names an existing file, where no run can be "
+                f"written. Received: log_dir={os.fspath(log_dir)!r}")
         self.log_dir = os.fspath(log_dir)
         self.update_freq = update_freq
         self.write_global = write_global

@@ -44,8 +44,10 @@ import tensorflow as tf
 from keras_mirror import _compat
 from keras_mirror import errors
 from keras_mirror import split
+from keras_mirror.distribute import _input_fn
 from keras_mirror.distribute import _multi_worker
 from keras_mirror.distribute import _pipeline_graph
+from keras_mirror.wrapper import _inputs
 
 ENV = _multi_worker.VIRTUAL_SHARDS_ENV
 BACKUP_KEYS = ("virtual_shards", "shard_positions")
@@ -138,18 +140,20 @@ def _check_pipeline(facts, num_shards, from_fn):
             f"batch at least one row. Received: virtual_shards={num_shards}")
 
 
-def _dataset_shard(x, facts, num_shards, index):
+def _dataset_shard(x, facts, num_shards, index, steps_per_epoch):
     policy = tf.data.experimental.AutoShardPolicy
     options = tf.data.Options()
     options.experimental_distribute.auto_shard_policy = (
         policy.HINT if facts.has_hint else policy.FILE)
     shard = _compat.auto_shard(x.with_options(options), num_shards,
                                      index)
+    # Known endless here (a SHARD_HINT pipeline is not, before sharding).
+    _inputs.refuse_endless("x", shard, "steps_per_epoch", steps_per_epoch)
     rows = split.balanced_sizes(facts.batch_size, num_shards)[index]
     return shard.rebatch(rows, drop_remainder=facts.drop_remainder)
 
 
-def _fn_shard(input_fn, num_shards, index):
+def _fn_dataset(input_fn, num_shards, index):
     shard = input_fn(tf.distribute.InputContext(num_shards, index,
                                                 num_shards))
     if not isinstance(shard, tf.data.Dataset):
@@ -157,8 +161,24 @@ def _fn_shard(input_fn, num_shards, index):
             "`input_fn` must return a `tf.data.Dataset` for its "
             "`input_context` (one virtual shard). "
             f"Received: input_fn(...) returned {type(shard).__name__}")
-    _check_pipeline(_pipeline_graph.inspect(shard), num_shards, True)
     return shard
+
+
+def _fn_shards(input_fn, num_shards, mine, steps_per_epoch):
+    """This worker's shards of `input_fn`, checked against every shard
+    (the other workers' shards are made, never read), so that every worker
+    refuses a mismatch, or an endless shard without `steps_per_epoch`,
+    before any step."""
+    _input_fn.check_signature(input_fn)
+    shards = {v: _fn_dataset(input_fn, num_shards, v) for v in mine}
+    every = [shards[v] if v in shards else _fn_dataset(
+        input_fn, num_shards, v) for v in range(num_shards)]
+    _input_fn.check_specs([s.element_spec for s in every], "input_fn")
+    _inputs.refuse_endless("input_fn", every, "steps_per_epoch",
+                           steps_per_epoch)
+    for shard in shards.values():
+        _check_pipeline(_pipeline_graph.inspect(shard), num_shards, True)
+    return [shards[v] for v in mine]
 
 
 def _rows(element):
@@ -226,7 +246,7 @@ def _logged(stream, message):
             stream.element_spec)))
 
 
-def fit_dataset(mirrored, x):
+def fit_dataset(mirrored, x, steps_per_epoch=None):
     """The dataset `fit` reads for `x` on this worker (see module doc).
 
     Each element is this worker's rows of one global batch (its hosted
@@ -243,8 +263,12 @@ def fit_dataset(mirrored, x):
         _check_pipeline(facts, num_shards, False)
     position = mirrored.local_replica_ids[0] // len(mirrored.devices)
     mine = hosted(num_shards, mirrored.num_workers, position)
-    shards = [_fn_shard(x, num_shards, v) if from_fn else
-              _dataset_shard(x, facts, num_shards, v) for v in mine]
+    if from_fn:
+        shards = _fn_shards(x, num_shards, mine, steps_per_epoch)
+    else:
+        shards = [_dataset_shard(x, facts, num_shards, v, steps_per_epoch)
+                  for v in mine]
+        _input_fn.check_specs([s.element_spec for s in shards], "x")
     files = "" if facts is None or facts.files is None else (
         f", {len(file_shares(facts.files, num_shards, mine))} of "
         f"{len(facts.files)} files")

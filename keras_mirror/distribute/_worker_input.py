@@ -73,7 +73,7 @@ def segments(mirrored, rows, batch_size):
     return out
 
 
-def virtual_input(mirrored, x, y, batch_size):
+def virtual_input(mirrored, x, y, batch_size, steps_per_epoch=None):
     """`fit`'s `x`: this worker's virtual shards of a dataset or input_fn.
 
     Unchanged unless `worker_input="shard"` and `x` is a `tf.data.Dataset`
@@ -90,7 +90,7 @@ def virtual_input(mirrored, x, y, batch_size):
         _refuse("reads `x` as a dataset or `input_fn` of whole batches: "
                 "pass neither `y` nor `batch_size`.",
                 f"y={type(y).__name__}, batch_size={batch_size!r}")
-    return _virtual_shards.fit_dataset(mirrored, x)
+    return _virtual_shards.fit_dataset(mirrored, x, steps_per_epoch)
 
 
 def _is_virtual(mirrored, x):

@@ -39,6 +39,7 @@ import keras
 import tensorflow as tf
 
 from keras_mirror.callbacks import replica_history
+from keras_mirror.distribute import _input_fn
 from keras_mirror.distribute import _worker_input
 from keras_mirror.steps import _capacity
 from keras_mirror.steps import _probing
@@ -75,7 +76,14 @@ def prepare_fit(mirrored, x, y, batch_size, epochs, verbose, callbacks,
                 validation_data, steps_per_epoch, kwargs):
     """`fit`'s input, prepared in one pass (see the module docstring)."""
     sample_weight = kwargs.get("sample_weight")
-    x = _worker_input.virtual_input(mirrored, x, y, batch_size)
+    if mirrored.worker_input != "shard":
+        _input_fn.refuse_hint("x", x)
+    _input_fn.refuse_hint("validation_data", validation_data)
+    _inputs.refuse_endless("x", x, "steps_per_epoch", steps_per_epoch)
+    _inputs.refuse_endless("validation_data", validation_data,
+                           "validation_steps", kwargs.get("validation_steps"))
+    x = _worker_input.virtual_input(mirrored, x, y, batch_size,
+                                    steps_per_epoch)
     _validate.check_fit_inputs(mirrored, x, y, batch_size, steps_per_epoch,
                                kwargs, epochs, callbacks)
     first = _inputs.First(x)
@@ -180,6 +188,8 @@ def prepare_evaluate(mirrored, x, y, batch_size, kwargs):
     """`evaluate`'s (x, batch_size): adapted, checked, built, probed; its
     callbacks routed (`kwargs["callbacks"]`)."""
     sample_weight = kwargs.get("sample_weight")
+    _input_fn.refuse_hint("x", x)
+    _inputs.refuse_endless("x", x, "steps", kwargs.get("steps"))
     first = _inputs.First(x)
     x, batch_size = adapt(mirrored, x, batch_size, first)
     _validate.check_inputs(mirrored, x, y, sample_weight,
@@ -194,6 +204,8 @@ def prepare_predict(mirrored, x, batch_size, kwargs):
     """`predict`'s (x, batch_size): checked, adapted, the model built; its
     callbacks routed (`kwargs["callbacks"]`)."""
     _validate.check_predict_inputs(x, batch_size)
+    _input_fn.refuse_hint("x", x)
+    _inputs.refuse_endless("x", x, "steps", kwargs.get("steps"))
     first = _inputs.First(x)
     x, batch_size = adapt(mirrored, x, batch_size, first)
     if not mirrored._inner.built:

@@ -129,6 +129,22 @@ def empty_dataset(x):
         f"Received: x={x!r}")
 
 
+def refuse_endless(name, x, steps_name, steps):
+    """Refuses an endless dataset (`repeat()`) without a step count: Keras
+    would read it forever, the epoch never ending (TF 2's Keras refused it
+    so). `x` may also be a list of the virtual shards of an `input_fn`."""
+    shards = x if isinstance(x, list) else [x]
+    if steps is None and any(
+            isinstance(s, tf.data.Dataset) and
+            int(s.cardinality()) == tf.data.INFINITE_CARDINALITY
+            for s in shards):
+        raise ValueError(
+            f"`{steps_name}` must be given for an endless `{name}` (a "
+            "dataset repeated forever, `.repeat()`): without it the epoch "
+            f"never ends. Pass `{steps_name}=...`, or repeat the dataset a "
+            f"finite number of times. Received: {steps_name}=None")
+
+
 class First:
     """The first element of an input, read at most once.
 
@@ -249,6 +265,19 @@ def fits(shape, expected):
     return len(shape) == len(expected) and all(
         e is None or s is None or int(s) == int(e)
         for s, e in zip(shape[1:], expected[1:]))
+
+
+def is_strings(dtype):
+    """Whether `dtype` (NumPy's, TensorFlow's or a Keras name) holds
+    strings."""
+    if dtype is None:
+        return False
+    if isinstance(dtype, tf.dtypes.DType) or dtype == "string":
+        return dtype in (tf.string, "string")
+    try:
+        return np.dtype(dtype).kind in "US"
+    except TypeError:
+        return False
 
 
 def _same_shapes(first, items, holder):

@@ -9,6 +9,7 @@ from keras_mirror import split
 from keras_mirror.callbacks import _replica_logs
 from keras_mirror.distribute import _multi_worker
 from keras_mirror.steps import _execution
+from keras_mirror.wrapper import _arguments
 
 
 class ReplicaAttributes:
@@ -115,26 +116,31 @@ class ReplicaAttributes:
                 mode: the rows of the `N` joined replica batches).
             replica_batch_size: int or None. In `"per_replica"` mode, the
                 rows of a full replica batch; default `batch_size // N`
-                rounded up.
+                rounded up. Only `"per_replica"` mode takes it.
 
         Returns:
             A tuple of `num_replicas` ints that sums to `batch_size`.
         """
-        if isinstance(batch_size, bool) or not isinstance(batch_size, int) \
-                or batch_size < 0:
+        if not _arguments.is_int(batch_size) or batch_size < 0:
             raise ValueError(
                 "`batch_size` must be a non-negative integer. "
                 f"Received: batch_size={batch_size!r}")
-        n = self.num_replicas
+        batch_size, n = int(batch_size), self.num_replicas
+        if self._batch_mode == "global" and replica_batch_size is not None:
+            raise ValueError(
+                "`replica_batch_size` applies to `batch='per_replica'` only"
+                ": with batch='global' the global batch is split evenly. "
+                f"Received: replica_batch_size={replica_batch_size!r}")
         if self._batch_mode == "global":
             return split.balanced_sizes(batch_size, n)
         if replica_batch_size is None:
             return split.fill_sizes(batch_size, n, -(-batch_size // n))
-        if isinstance(replica_batch_size, bool) or not isinstance(
-                replica_batch_size, int) or replica_batch_size < 1:
+        if not _arguments.is_int(replica_batch_size) or \
+                replica_batch_size < 1:
             raise ValueError(
                 "`replica_batch_size` must be a positive integer or None. "
                 f"Received: replica_batch_size={replica_batch_size!r}")
+        replica_batch_size = int(replica_batch_size)
         if replica_batch_size * n < batch_size:
             raise ValueError(
                 f"`replica_batch_size` is too small: {n} replica batches of "

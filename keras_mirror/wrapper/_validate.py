@@ -14,6 +14,7 @@ import keras
 import numpy as np
 import tensorflow as tf
 
+from keras_mirror.distribute import _input_fn
 from keras_mirror.wrapper import _arguments
 from keras_mirror.wrapper import _inputs
 from keras_mirror.wrapper import _targets
@@ -144,6 +145,11 @@ def _check_one_shape(name, value, expected):
     shape = getattr(value, "shape", None)
     if shape is None or not hasattr(expected, "shape"):
         return
+    dtype = getattr(value, "dtype", None)
+    if _inputs.is_strings(dtype) and not _inputs.is_strings(expected.dtype):
+        raise ValueError(
+            f"`{name}` must hold numbers for the model's input of dtype "
+            f"{expected.dtype}. Received: {name} with dtype={dtype!r}")
     if not _inputs.fits(shape, expected.shape):
         raise ValueError(
             f"`{name}` must have the shape {tuple(expected.shape)} "
@@ -231,6 +237,8 @@ def check_built_model(mirrored, x, y):
 
 def _check_values(name, value):
     """`value` (x or y) must be numbers: no string or object data."""
+    if name != "y":
+        _input_fn.check_input(name, value)
     if isinstance(value, (str, bytes)):
         raise ValueError(
             f"`{name}` must be arrays, a `tf.data.Dataset`, a "

@@ -7,6 +7,7 @@ scalars as tensors, hence `size_guidance={"tensors": 0}` (keep all).
 import csv
 import logging
 import os
+import re
 import types
 
 import keras
@@ -264,13 +265,14 @@ def test_writers_are_lazy_and_closed_at_train_end(tmp_path, monkeypatch):
 
 def test_writer_failure_is_logged_not_raised(tmp_path, caplog):
     blocker = tmp_path / "not_a_dir"
+    board = ReplicaTensorBoard(blocker, update_freq="batch")
+    # Made after the callback (which refuses a file given as `log_dir`).
     blocker.write_text("a file where the log directory should be")
     x, y = make_data()
     mirrored = mirrored_model(metrics=())
     with caplog.at_level(logging.WARNING):
         history = mirrored.fit(x, y, batch_size=10, epochs=2, verbose=0,
-                               callbacks=[ReplicaTensorBoard(
-                                   blocker, update_freq="batch")])
+                               callbacks=[board])
     assert len(history.history["loss"]) == 2
     messages = [r.getMessage() for r in caplog.records
                 if "ReplicaTensorBoard" in r.getMessage()]
@@ -358,3 +360,16 @@ def test_log_dir_must_be_a_path(log_dir):
             r"`log_dir` must be a non-empty str or path-like\. "
             rf"Received: log_dir={log_dir!r}")):
         keras_mirror.ReplicaTensorBoard(log_dir=log_dir)
+
+
+def test_log_dir_naming_an_existing_file_is_refused(tmp_path):
+    # Every writer failed and was skipped: fit trained and wrote nothing.
+    path = tmp_path / "logs"
+    path.write_text("")
+    with pytest.raises(ValueError, match=re.escape(
+            "`log_dir` must be a directory, or a path where one can be "
+            "made: it names an existing file, where no run can be written. "
+            f"Received: log_dir={str(path)!r}")):
+        keras_mirror.ReplicaTensorBoard(log_dir=path)
+    keras_mirror.ReplicaTensorBoard(log_dir=tmp_path)  # a directory
+    keras_mirror.ReplicaTensorBoard(log_dir=tmp_path / "new" / "runs")

@@ -65,3 +65,16 @@ def test_auto_shard_dataset_reads_files_round_robin(tmp_path):
 def test_dataset_graph_holds_the_pipeline_ops():
     graph = _compat.dataset_graph(tf.data.Dataset.range(5).batch(2))
     assert {"RangeDataset", "BatchDatasetV2"} <= {n.op for n in graph.node}
+
+
+def test_a_shard_hint_is_found_through_a_datasets_inputs():
+    hint = tf.data.experimental.SHARD_HINT
+    base = tf.data.Dataset.range(8)
+    for name in (_compat._DATASET_INPUTS,):
+        assert hasattr(base, name)
+    shard = base.shard(hint, hint)
+    assert all(int(getattr(shard, n)) == -1 for n in _compat._SHARD_COUNTS)
+    hinted = tf.data.Dataset.zip((base, shard.batch(2).map(lambda v: v)))
+    assert _compat.has_shard_hint(hinted.prefetch(1))
+    for plain in (base, base.shard(2, 0), base.batch(2).repeat()):
+        assert not _compat.has_shard_hint(plain)

@@ -241,7 +241,7 @@ def _repeated_reference(data_dir, cpus, steps_per_epoch, epochs):
     on across epochs, as Keras's does)."""
     mirrored = _mirrored(cpus, virtual_shards=V)
     stream = _virtual_shards.fit_dataset(
-        mirrored, vs_train.pipeline(str(data_dir)).repeat())
+        mirrored, vs_train.pipeline(str(data_dir)).repeat(), steps_per_epoch)
     batches = list(stream.take(steps_per_epoch * epochs).as_numpy_iterator())
     model = vs_train.model()
     model.compile(optimizer=vs_train.optimizer(), loss="mse")
@@ -332,6 +332,30 @@ def test_bad_pipelines_are_refused_before_any_step(data_dir, cpus, make,
     with pytest.raises(ValueError, match=re.escape(message)):
         mirrored.fit(make(data_dir), epochs=1, verbose=0)
     assert int(mirrored.optimizer.iterations.numpy()) == 0
+
+
+@pytest.mark.timeout(120)  # each ran forever, as in plain Keras 3
+def test_an_endless_pipeline_or_input_fn_needs_steps_per_epoch(cpus):
+    # A SHARD_HINT pipeline is known endless only once sharded; an
+    # input_fn's shards only once made.
+    x = np.zeros((8, 6), "float32")
+    hinted = tf.data.Dataset.from_tensor_slices((x, x[:, :3])).shard(
+        tf.data.experimental.SHARD_HINT, tf.data.experimental.SHARD_HINT
+    ).batch(4).repeat()
+
+    def input_fn(context):
+        return tf.data.Dataset.from_tensor_slices((x, x[:, :3])).batch(
+            2).repeat()
+
+    for name, endless in (("x", hinted), ("input_fn", input_fn)):
+        mirrored = _mirrored(cpus, virtual_shards=2)
+        with pytest.raises(ValueError, match=re.escape(
+                f"`steps_per_epoch` must be given for an endless `{name}` "
+                "(a dataset repeated forever, `.repeat()`)")):
+            mirrored.fit(endless, verbose=0)
+        assert int(mirrored.optimizer.iterations.numpy()) == 0
+        mirrored.fit(endless, steps_per_epoch=3, verbose=0)
+        assert int(mirrored.optimizer.iterations.numpy()) == 3
 
 
 def test_seeded_shuffle_and_sharded_elements_are_accepted(cpus):

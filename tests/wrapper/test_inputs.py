@@ -1,5 +1,7 @@
 """`wrapper._inputs`: batches for building, without reading the input."""
 
+import re
+
 import keras
 import numpy as np
 import pytest
@@ -129,3 +131,71 @@ def test_generator_per_replica_short_last_group_is_refused(cpus):
             r"batches is short. Received: a final group of 2 batch\(es\) "
             "from the generator `x`")):
         _mirrored(cpus).fit(iter(elements), epochs=1, verbose=0)
+
+
+def test_is_strings_reads_every_kind_of_dtype():
+    for dtype in ("string", tf.string, np.dtype("<U3"), "<U3", "S2"):
+        assert _inputs.is_strings(dtype), dtype
+    for dtype in (None, "float32", tf.float32, np.dtype("float32"), "int64",
+                  "bfloat16", np.dtype("O")):
+        assert not _inputs.is_strings(dtype), dtype
+
+
+def test_strings_for_a_numeric_input_are_refused_before_a_step(cpus):
+    # TensorFlow failed in the step: "Cast string to float is not
+    # supported".
+    mirrored = keras_mirror.MirroredModel(mlp(), devices=cpus)
+    mirrored.compile(optimizer="sgd", loss="mse")
+    text = np.full((8, 6), "a")
+    ds = tf.data.Dataset.from_tensor_slices((text, np.ones((8, 1)))).batch(4)
+    for x, y, shown in ((ds, None, "tf.string"), (text, np.ones((8, 1)),
+                                                  "dtype('<U1')")):
+        with pytest.raises(ValueError, match=(
+                r"`x` must hold numbers for the model's input of dtype "
+                rf"float32\. Received: x with dtype={re.escape(shown)}")):
+            mirrored.fit(x, y, epochs=1, verbose=0)
+    assert int(mirrored.optimizer.iterations.numpy()) == 0
+
+
+_ENDLESS = (r"`{steps}` must be given for an endless `{name}` \(a dataset "
+            r"repeated forever, `\.repeat\(\)`\): without it the epoch never "
+            r"ends\. Pass `{steps}=\.\.\.`, or repeat the dataset a finite "
+            r"number of times\. Received: {steps}=None")
+
+
+@pytest.mark.timeout(120)  # each call ran forever, as in plain Keras 3
+def test_an_endless_dataset_needs_its_step_count(cpus):
+    mirrored = keras_mirror.MirroredModel(mlp(), devices=cpus)
+    mirrored.compile(optimizer="sgd", loss="mse")
+    x, y, _ = data(8)
+    endless = tf.data.Dataset.from_tensor_slices((x, y)).batch(4).repeat()
+    calls = {
+        ("x", "steps_per_epoch"): lambda: mirrored.fit(endless, verbose=0),
+        ("validation_data", "validation_steps"): lambda: mirrored.fit(
+            x, y, validation_data=endless, verbose=0),
+        ("x", "steps"): lambda: mirrored.evaluate(endless, verbose=0),
+    }
+    for (name, steps), call in calls.items():
+        with pytest.raises(ValueError, match=_ENDLESS.format(
+                name=name, steps=steps)):
+            call()
+    with pytest.raises(ValueError, match=_ENDLESS.format(
+            name="x", steps="steps")):
+        mirrored.predict(endless.map(lambda a, b: a), verbose=0)
+    assert int(mirrored.optimizer.iterations.numpy()) == 0
+    # With the step counts, all of them run.
+    mirrored.fit(endless, steps_per_epoch=3, validation_data=endless,
+                 validation_steps=1, verbose=0)
+    assert int(mirrored.optimizer.iterations.numpy()) == 3
+    mirrored.evaluate(endless, steps=2, verbose=0)
+
+
+def test_refuse_endless_reads_cardinality_only():
+    finite = tf.data.Dataset.range(3)
+    unknown = finite.filter(lambda v: v > 0)
+    for x in (finite, unknown, [finite, unknown], np.zeros(3), None):
+        _inputs.refuse_endless("x", x, "steps", None)
+    with pytest.raises(ValueError, match="Received: steps=None"):
+        _inputs.refuse_endless("x", [finite, finite.repeat()], "steps",
+                               None)
+    _inputs.refuse_endless("x", finite.repeat(), "steps", 2)
