@@ -33,9 +33,10 @@ _ROOT = os.path.dirname(_HERE)
 VARIANTS = {
     "single": "one device (plain fit)",
     "native": "native Keras + MirroredStrategy",
-    "mirrored": "MirroredModel (auto path)",
-    "mirrored_strategy": 'MirroredModel, execution="strategy"',
+    "mirrored": "MirroredModel",
 }
+# One colour per variant in every panel, whichever variants a model has.
+COLORS = {"single": "tab:gray", "native": "tab:blue", "mirrored": "tab:orange"}
 # bench_network's step variants.
 NETWORK_VARIANTS = {
     "native": "native Keras",
@@ -95,7 +96,8 @@ def plot_scaling(run, path):
             med = [r["median_step_ms"] for r in rows]
             err = [[m - r["min_trial_step_ms"] for m, r in zip(med, rows)],
                    [r["max_trial_step_ms"] - m for m, r in zip(med, rows)]]
-            ax.errorbar(n, med, yerr=err, marker="o", capsize=3, label=label)
+            ax.errorbar(n, med, yerr=err, marker="o", capsize=3, label=label,
+                        color=COLORS[variant])
         ax.set_title(f"{model}, global batch "
                      f"{run['settings']['batch_size']}")
         ax.set_xlabel("replicas N")
@@ -121,7 +123,7 @@ def plot_first_step(run, path):
             xs = [j + (i - (len(VARIANTS) - 1) / 2) * width
                   for j, n in enumerate(replicas) if n in rows]
             ys = [rows[n]["first_step_s"] for n in replicas if n in rows]
-            ax.bar(xs, ys, width, label=label)
+            ax.bar(xs, ys, width, label=label, color=COLORS[variant])
         ax.set_xticks(range(len(replicas)), [f"N = {n}" for n in replicas])
         ax.set_title(f"{model}: time to the first step")
         ax.set_ylabel("seconds (trace, compile, first step)")

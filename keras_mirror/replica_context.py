@@ -298,18 +298,14 @@ def _gather(context, value):
 def summed(value):
     """The sum of `value` over the replicas, exactly differentiable.
 
-    The all-reduce of the running replica step (its communication
-    options). Its gradient is TF's (the all-reduce of the replicas'
-    upstream gradients) where each replica's loss was weighted by its share
-    before differentiation (the built-in step). In a model's own step, the
-    share weights a replica's gradients after (`own_step`), so the
-    gradient's cross-replica terms would get the wrong replica's share:
-    there each replica's upstream gradient is weighted by its own share
-    before the all-reduce and the result divided by this replica's, so
-    that after its share is applied every term carries its own; a gradient
-    with respect to tensors only (`differentiating`) is one device's. Used
-    by `all_reduce_sum` and the global batch's BatchNorm moments, whose
-    gradients then equal one device's for uneven and empty shards.
+    Its gradient is TF's (the replicas' upstream gradients summed) where
+    each replica's loss is share-weighted before differentiation (the
+    built-in step). A model's own step weights its gradients after
+    (`own_step`): there each replica's upstream gradient is weighted by its
+    own share before the sum and the result divided by this replica's, so
+    every term carries its own share; a gradient with respect to tensors
+    only (`differentiating`) is one device's. `all_reduce_sum` and the
+    global BatchNorm moments use it: exact for uneven and empty shards.
     """
     import tensorflow as tf
 
@@ -330,11 +326,8 @@ def summed(value):
     def differentiable(t):
         def grad(upstream):
             if getattr(_LOCAL, "tensor_gradient", False):
-                # A gradient with respect to tensors (a gradient penalty's
-                # `gradient(pred, [interpolated])`) is not share-weighted
-                # later: one device's, the upstreams summed (and exactly
-                # differentiable again, for the gradient of the penalty);
-                # a stand-in replica's rows are not one device's.
+                # Not share-weighted later (a gradient penalty's): summed,
+                # a stand-in replica's left out, and exact again.
                 upstream = tf.convert_to_tensor(upstream)
                 rows = tf.cast(context.shard_size, tf.int32)
                 return summed(tf.where(rows > 0, upstream,
@@ -349,9 +342,8 @@ def summed(value):
 
 @contextlib.contextmanager
 def differentiating(variables):
-    """Within the block, a model's own step's `tape.gradient` runs, with
-    respect to variables (its gradients are share-weighted when applied)
-    or, with `variables` False, to tensors only (`steps/_tape.py`)."""
+    """Within the block an own step's `tape.gradient` runs with respect to
+    variables (share-weighted when applied) or tensors (`steps/_tape`)."""
     previous = getattr(_LOCAL, "tensor_gradient", False)
     _LOCAL.tensor_gradient = not variables
     try:
