@@ -115,6 +115,24 @@ def pytest_collection(session):
         sys.modules["jax"].keras_routed_stub = True
 
 
+def _stub_conftest():
+    """Some test files import `skip_if_backend` from the `conftest.py` at
+    the root of Keras's repository, which the wheel does not ship."""
+    import types
+
+    import pytest
+
+    def skip_if_backend(given_backend, reason):
+        import keras
+
+        return pytest.mark.skipif(keras.backend.backend() == given_backend,
+                                  reason=reason)
+
+    module = types.ModuleType("conftest")
+    module.skip_if_backend = skip_if_backend
+    sys.modules.setdefault("conftest", module)
+
+
 def pytest_collection_finish(session):
     if getattr(sys.modules.get("jax"), "keras_routed_stub", False):
         del sys.modules["jax"]
@@ -128,6 +146,7 @@ def _plugin_setup():
     import keras_mirror
 
     keras_mirror.logical_cpus(2)  # before TensorFlow initialises devices
+    _stub_conftest()
     if os.environ.get("KERAS_ROUTED") == "1":
         _install()
 
