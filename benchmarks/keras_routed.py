@@ -265,6 +265,17 @@ def _table(rows):
             f"| {row['file']} | {row['tests']} | {row['passed_plain']} | "
             f"{row['passed_routed']} | {row['routed_tests']} | "
             f"{len(row['differences'])} |")
+    lines += ["", "| group | files | passed plain | passed routed | routed "
+              "calls in | differences |", "|---|---:|---:|---:|---:|---:|"]
+    groups = {}
+    for row in rows:
+        group = groups.setdefault(row["file"].split("/")[0], [0] * 5)
+        for i, value in enumerate((1, row["passed_plain"],
+                                   row["passed_routed"], row["routed_tests"],
+                                   len(row["differences"]))):
+            group[i] += value
+    for name, totals in groups.items():
+        lines.append(f"| {name} | " + " | ".join(map(str, totals)) + " |")
     lines.append("")
     for row in rows:
         for note in row.get("notes", ()):
@@ -287,7 +298,17 @@ def main(argv=None):
                         help="seconds per file and mode")
     parser.add_argument("--out", help="path prefix of the .md and .json")
     parser.add_argument("--modes", default="plain,routed")
+    parser.add_argument(
+        "--merge", action="store_true",
+        help="the arguments are earlier --out .json files: write one "
+        "report of their rows (a later file's row for a test file wins)")
     args = parser.parse_args(argv)
+    if args.merge:
+        merged = {}
+        for path in args.files:
+            with open(path) as f:
+                merged.update((row["file"], row) for row in json.load(f))
+        return _report(list(merged.values()), args.out)
     src = _keras_src()
     paths = []
     for pattern in args.files:
@@ -309,12 +330,16 @@ def main(argv=None):
             row["notes"] = [", ".join(notes)]
             rows.append(row)
             print(_table([row]).splitlines()[2], flush=True)
+    return _report(rows, args.out)
+
+
+def _report(rows, out):
     text = _table(rows)
     print(text)
-    if args.out:
-        with open(args.out + ".json", "w") as f:
+    if out:
+        with open(out + ".json", "w") as f:
             json.dump(rows, f, indent=1)
-        with open(args.out + ".md", "w") as f:
+        with open(out + ".md", "w") as f:
             f.write(text + "\n")
     return rows
 
