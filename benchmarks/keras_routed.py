@@ -26,7 +26,7 @@ library code (not its tests or `keras.src.testing`, whose
 `run_layer_test` fits the layer tests' models). Objects that are Keras
 `Trainer`s but not `keras.Model`s (most of `trainer_test.py`'s models:
 `class ExampleModel(Trainer, layers.Dense)`) are not routed: the wrapper
-takes a `keras.Model`. The "routed" column counts the tests that made at
+takes a `keras.Model`. The "tests routed" column counts the tests that made at
 least one routed call.
 """
 
@@ -258,15 +258,15 @@ def _compare(name, plain, routed):
 
 
 def _table(rows):
-    lines = ["| file | tests | passed plain | passed routed | routed "
-             "calls in | differences |", "|---|---:|---:|---:|---:|---:|"]
+    lines = ["| file | tests | passed plain | passed routed | tests "
+             "routed | differences |", "|---|---:|---:|---:|---:|---:|"]
     for row in rows:
         lines.append(
             f"| {row['file']} | {row['tests']} | {row['passed_plain']} | "
             f"{row['passed_routed']} | {row['routed_tests']} | "
             f"{len(row['differences'])} |")
-    lines += ["", "| group | files | passed plain | passed routed | routed "
-              "calls in | differences |", "|---|---:|---:|---:|---:|---:|"]
+    lines += ["", "| group | files | passed plain | passed routed | tests "
+              "routed | differences |", "|---|---:|---:|---:|---:|---:|"]
     groups = {}
     for row in rows:
         group = groups.setdefault(row["file"].split("/")[0], [0] * 5)
