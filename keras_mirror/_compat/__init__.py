@@ -29,6 +29,9 @@ from keras_mirror._compat._base import (
 from keras_mirror._compat._base import keras_version as keras_version
 from keras_mirror._compat._base import replaced as replaced
 from keras_mirror._compat.keras_backend import (
+    _BACKEND_MODULE as _BACKEND_MODULE,
+)
+from keras_mirror._compat.keras_backend import (
     _GLOBAL_SEED_GENERATOR as _GLOBAL_SEED_GENERATOR,
 )
 from keras_mirror._compat.keras_backend import (
@@ -53,6 +56,9 @@ from keras_mirror._compat.keras_backend import (
 )
 from keras_mirror._compat.keras_backend import _masking as _masking
 from keras_mirror._compat.keras_backend import backing as backing
+from keras_mirror._compat.keras_backend import (
+    compute_output_spec as compute_output_spec,
+)
 from keras_mirror._compat.keras_backend import get_mask as get_mask
 from keras_mirror._compat.keras_backend import (
     global_seed_generator as global_seed_generator,

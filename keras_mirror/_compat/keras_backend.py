@@ -38,6 +38,27 @@ def set_mask(tensor, mask):
     _masking().set_keras_mask(tensor, mask)
 
 
+# -- building a model without running it (keras_mirror.wrapper._rebuild) ----
+
+# Keras's `fit` builds an unbuilt model with
+# `backend.compute_output_spec(model, x, training=False)` on symbolic
+# tensors (`Trainer._symbolic_build`): the model's `call` is traced in a
+# scratch graph, in a stateless scope, so its side effects (a counter's
+# `assign`, an `add_loss`) never happen outside the steps. keras-mirror
+# builds the same way; `compute_output_spec` is not exported.
+_BACKEND_MODULE = "keras.src.backend"
+
+
+def compute_output_spec(fn, *args, **kwargs):
+    """Keras's `backend.compute_output_spec(fn, *args, **kwargs)`."""
+    import importlib
+
+    module = importlib.import_module(_BACKEND_MODULE)
+    _require(module, ("compute_output_spec",), _BACKEND_MODULE,
+             "build a model from a batch without running it")
+    return module.compute_output_spec(fn, *args, **kwargs)
+
+
 # -- the user's variables, re-homed in place (keras_mirror._homes) ------------
 
 # A Keras variable (`keras.Variable`, TF backend) keeps its TensorFlow variable

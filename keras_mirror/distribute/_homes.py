@@ -70,6 +70,31 @@ def _distributed(tf_variable):
     return isinstance(tf_variable, tf.distribute.DistributedValues)
 
 
+def _python_scalar(convert):
+    def method(self):
+        return convert(self.read_value().numpy())
+
+    method.__name__ = f"__{convert.__name__}__"
+    return method
+
+
+def _scalar_conversions(cls):
+    """Gives a distributed variable class `int()`, `float()`, `complex()`.
+
+    A Keras variable converts to a Python scalar through its backing
+    (`int(self.value)`): TensorFlow's variable converts its value, but its
+    `MirroredVariable` has no such method and raises `TypeError`. So a
+    callback reading `int(self.model.optimizer.iterations)` or
+    `float(self.model.some_counter)` during `mirrored.fit` would crash
+    where plain `fit` works. The added methods read the value as
+    TensorFlow's variable does (the first replica's copy outside a replica).
+    """
+    for convert in (int, float, complex):
+        name = f"__{convert.__name__}__"
+        if not hasattr(cls, name):
+            setattr(cls, name, _python_scalar(convert))
+
+
 class VariableHomes:
     """Keeps each Keras variable's single-device and distributed backings."""
 
@@ -98,6 +123,7 @@ class VariableHomes:
             if entry[2] is None:
                 with self._strategy.scope():
                     entry[2] = _compat.new_backing(v, current.read_value())
+                _scalar_conversions(type(entry[2]))
             else:
                 entry[2].assign(current.read_value())
             _compat.set_backing(v, entry[2])

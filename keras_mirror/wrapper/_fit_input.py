@@ -76,6 +76,7 @@ def prepare_fit(mirrored, x, y, batch_size, epochs, verbose, callbacks,
                 validation_data, steps_per_epoch, kwargs):
     """`fit`'s input, prepared in one pass (see the module docstring)."""
     sample_weight = kwargs.get("sample_weight")
+    _inputs.check_some_input(mirrored._inner, x)
     if mirrored.worker_input != "shard":
         _input_fn.refuse_hint("x", x)
     _input_fn.refuse_hint("validation_data", validation_data)
@@ -188,6 +189,7 @@ def prepare_evaluate(mirrored, x, y, batch_size, kwargs):
     """`evaluate`'s (x, batch_size): adapted, checked, built, probed; its
     callbacks routed (`kwargs["callbacks"]`)."""
     sample_weight = kwargs.get("sample_weight")
+    _inputs.check_some_input(mirrored._inner, x)
     _input_fn.refuse_hint("x", x)
     _inputs.refuse_endless("x", x, "steps", kwargs.get("steps"))
     first = _inputs.First(x)
@@ -218,6 +220,7 @@ def prepare_predict(mirrored, x, batch_size, kwargs):
 def prepare_batch(mirrored, x, y=None, sample_weight=None, predict=False):
     """One global batch of `train_on_batch` or `test_on_batch`, or (with
     `predict`) of `predict_on_batch`: checked, capacity set, built."""
+    _inputs.check_some_input(mirrored._inner, x)
     if not predict:
         _validate.check_inputs(mirrored, x, y, sample_weight)
     _capacity.on_batch(mirrored, x)

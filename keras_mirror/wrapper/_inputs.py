@@ -15,6 +15,7 @@ import keras
 import numpy as np
 import tensorflow as tf
 
+from keras_mirror import _compat
 from keras_mirror import split
 from keras_mirror.steps import _slicing
 
@@ -28,6 +29,25 @@ def is_array(x):
 def first_leaf(x):
     """`x`'s first leaf that is not None (None: an optional input)."""
     return next(t for t in tf.nest.flatten(x) if t is not None)
+
+
+def check_some_input(model, x):
+    """Gives Keras's own error for an `x` that holds no array at all.
+
+    `None`, `[None]` or `{"x": None}` for a required input: Keras's
+    Functional model refuses it when its step runs the model
+    (`ValueError: The input 'x' is not optional, but None was passed`).
+    The model's inputs are standardised here the same way, symbolically
+    (nothing runs), so that the same error comes before the wrapper
+    counts rows. An `x` that passes (every input optional) is refused
+    as having no rows to split.
+    """
+    if any(t is not None for t in tf.nest.flatten(x)):
+        return
+    _compat.compute_output_spec(model, x, training=False)
+    raise ValueError(
+        "`x` holds no array: there are no rows to split across the "
+        f"replicas. Received: x={x!r}")
 
 
 def num_rows(x):

@@ -130,9 +130,41 @@ def all_layers(model):
 
 
 def build_from_batch(model, x):
-    """Builds an unbuilt model by calling it on a batch."""
+    """Builds an unbuilt model from a batch, as Keras's `fit` does.
+
+    Its `call` runs on symbolic tensors of the batch's shapes and dtypes
+    (`_compat.compute_output_spec`), so that nothing it does (a counter's
+    `assign`, a metric's update) happens outside the steps: plain `fit`
+    runs the model only in its steps. An input that has no symbolic form
+    here (ragged, sparse, strings) or a model that cannot be traced so is
+    called on the batch, once, in inference mode.
+    """
+    if model.built:
+        return
+    try:
+        _compat.compute_output_spec(model, _symbolic(x), training=False)
+    except Exception:  # noqa: BLE001 - the eager call below says why
+        pass
     if not model.built:
         model(x, training=False)
+
+
+class _NoSymbolicForm(TypeError):
+    pass
+
+
+def _symbolic(x):
+    """`x` with each array or dense tensor as a `keras.KerasTensor`."""
+    def leaf(value):
+        if value is None:
+            return None
+        if isinstance(value, (tf.SparseTensor, tf.RaggedTensor)) or (
+                not hasattr(value, "shape")):
+            raise _NoSymbolicForm(type(value).__name__)
+        return keras.KerasTensor(tuple(value.shape),
+                                 keras.backend.standardize_dtype(value.dtype))
+
+    return keras.tree.map_structure(leaf, x)
 
 
 def check_no_outer_scope(model):

@@ -27,6 +27,26 @@ def test_masks_are_read_and_set_on_tensors_and_reach_losses():
     assert float(value) == pytest.approx(5.0)
 
 
+def test_compute_output_spec_builds_a_model_without_running_it():
+    class Counting(keras.Model):
+        def __init__(self):
+            super().__init__()
+            self.dense = keras.layers.Dense(2)
+            self.calls = self.add_variable(shape=(), initializer="zeros",
+                                           trainable=False)
+
+        def call(self, x):
+            self.calls.assign_add(1.0)
+            return self.dense(x)
+
+    model = Counting()
+    spec = _compat.compute_output_spec(
+        model, keras.KerasTensor((3, 4), "float32"), training=False)
+    assert tuple(spec.shape) == (3, 2)
+    assert model.built and model.dense.kernel.shape == (4, 2)
+    assert float(model.calls) == 0.0
+
+
 def test_variable_backing_can_be_replaced_and_restored(cpus):
     v = keras.Variable(np.arange(3, dtype="float32"))
     plain = _compat.backing(v)

@@ -292,6 +292,26 @@ def test_a_required_input_given_none_gets_keras_error(cpus, method, form,
     assert parity.error_of(lambda: call(mirrored, x, y)) == keras_error
 
 
+def _one_required():
+    x = keras.Input((3,), name="x")
+    model = keras.Model(x, layers.Dense(1)(x))
+    model.compile(optimizer="sgd", loss="mse")
+    return model
+
+
+@pytest.mark.parametrize("method", sorted(METHODS))
+@pytest.mark.parametrize("x", [None, [None], {"x": None}],
+                         ids=["none", "list", "dict"])
+def test_no_array_at_all_gets_keras_error(cpus, method, x):
+    """`fit([None], y)` (Keras's own `test_required_none_raises_in_fit`):
+    Keras's `ValueError`, not a `StopIteration` from counting rows."""
+    call = METHODS[method]
+    y = _array(4, 1)
+    keras_error = parity.error_of(lambda: call(_one_required(), x, y))
+    mirrored = keras_mirror.MirroredModel(_one_required(), devices=cpus)
+    assert parity.error_of(lambda: call(mirrored, x, y)) == keras_error
+
+
 def _declared_one():
     inputs = keras.Input((1,))
     model = keras.Model(inputs, layers.Dense(2)(inputs))

@@ -275,3 +275,73 @@ KINDS = {
 def test_input_kind(cpus, pairs, kind):
     name, call = KINDS[kind]
     _pair(pairs, name, cpus).run(call)
+
+
+# -- what the model's code and a callback see ----------------------------
+
+class Counting(keras.Model):
+    """Counts its forward passes in a scalar variable."""
+
+    def __init__(self):
+        super().__init__()
+        self.dense = layers.Dense(3)
+        self.calls = self.add_variable(shape=(), initializer="zeros",
+                                       trainable=False)
+
+    def call(self, x):
+        self.calls.assign_add(1.0)
+        return self.dense(x)
+
+
+class ReadsScalars(keras.callbacks.Callback):
+    """Reads scalar variables with `int()` and `float()` after each batch."""
+
+    def __init__(self):
+        super().__init__()
+        self.seen = []
+
+    def on_train_batch_end(self, batch, logs=None):
+        self.seen.append([int(self.model.calls),
+                          int(self.model.optimizer.iterations),
+                          float(self.model.optimizer.learning_rate)])
+
+
+def _counting_fit(reader_class):
+    def call(model):
+        reader = reader_class()
+        history = model.fit(X, Y3, batch_size=5, epochs=2, shuffle=False,
+                            verbose=0, callbacks=[reader])
+        return [history, reader.seen]
+    return call
+
+
+def _counting():
+    model = Counting()
+    model.compile(optimizer="sgd", loss="mse")
+    return model
+
+
+class ReadsCounter(keras.callbacks.Callback):
+    def __init__(self):
+        super().__init__()
+        self.seen = []
+
+    def on_train_batch_end(self, batch, logs=None):
+        self.seen.append(keras.ops.convert_to_numpy(self.model.calls))
+
+
+def test_unbuilt_model_runs_only_in_steps(cpus):
+    """An unbuilt model is built without running its `call` (Keras builds
+    it symbolically): its forward-pass counter counts the steps only."""
+    plain, expected, mirrored, got = parity.both(
+        _counting, _counting_fit(ReadsCounter), cpus)
+    parity.assert_same(plain, expected, mirrored, got)
+    assert [float(c) for c in got[1]] == [1, 2, 3, 4, 5, 6]
+
+
+def test_callback_converts_scalar_variables(cpus):
+    """`int(variable)` and `float(variable)` work in a callback during
+    `fit`, as in plain Keras (a distributed variable has no `__int__`)."""
+    plain, expected, mirrored, got = parity.both(
+        _counting, _counting_fit(ReadsScalars), cpus)
+    parity.assert_same(plain, expected, mirrored, got)
