@@ -818,10 +818,6 @@ CASES = {
         ValueError, r"`x` must be arrays, .* A function "
         r"\(`input_fn\(input_context\)`\) is read only by `fit` with "
         r"`worker_input='shard'`.*Received: x=_input_function"),
-    "x_none": Case(
-        "x", "None", lambda cpus: _fit(cpus, None, Y),
-        ValueError, r"`x` must be arrays, a `tf.data.Dataset`, a "
-        r"`keras.utils.PyDataset` or a generator\. Received: x=None"),
     "x_strings_for_numbers": Case(
         "x", "a dataset of strings for a float32 input",
         lambda cpus: _fit(cpus, _ds(np.full((8, 3), "a"), Y)),

@@ -101,11 +101,11 @@ def check_specs(specs, source):
 
 
 def check_input(name, value):
-    """Refuses an `x` that no input adapter reads: None, a number, or a
-    function where no virtual shards call it (`worker_input="replicate"`,
-    `evaluate`, `predict`, `verify`, ...)."""
-    if value is None or isinstance(value, (bool, int, float, complex,
-                                           np.number, np.bool_)):
+    """Refuses an `x` that no input adapter reads: a number, or a function
+    where no virtual shards call it (`worker_input="replicate"`,
+    `evaluate`, `predict`, `verify`, ...). `None` gets Keras's own error
+    (`wrapper/_inputs.check_some_input`)."""
+    if isinstance(value, (bool, int, float, complex, np.number, np.bool_)):
         raise ValueError(
             f"`{name}` must be arrays, a `tf.data.Dataset`, a "
             "`keras.utils.PyDataset` or a generator. "
