@@ -179,10 +179,25 @@ def _tiling_first_argument(original, rows):
         if value.shape.rank is None or value.shape.rank == 0 or \
                 value.shape[0] != 2 * rows:
             return original(value, *args, **kwargs)
-        half = original(value[:rows], *args, **kwargs)
+        half = original(value[:rows], *_halved_noise(args, kwargs, rows),
+                        **kwargs)
         return tf.concat([half, half], 0)
 
     return by_rows
+
+
+def _halved_noise(args, kwargs, rows):
+    """`dropout`'s positional arguments, and `kwargs` in place, with a
+    `noise_shape` of the doubled batch's rows (`SpatialDropout`'s) halved.
+    """
+    args = list(args)
+    if len(args) > 1:  # dropout(inputs, rate, noise_shape, ...)
+        if args[1] is not None and _lead(args[1]) == 2 * rows:
+            args[1] = _halved(args[1])
+    elif kwargs.get("noise_shape") is not None and \
+            _lead(kwargs["noise_shape"]) == 2 * rows:
+        kwargs["noise_shape"] = _halved(kwargs["noise_shape"])
+    return args
 
 
 @contextlib.contextmanager

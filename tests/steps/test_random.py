@@ -98,6 +98,37 @@ def test_dropout_model_trains_as_on_one_device(execution, cpus):
             np.testing.assert_array_equal(b.numpy(), a.numpy())
 
 
+@pytest.mark.parametrize("shape,layer", [
+    ((5, 4), layers.SpatialDropout1D),
+    ((3, 3, 4), layers.SpatialDropout2D),
+    ((2, 2, 2, 4), layers.SpatialDropout3D),
+    ((5, 4), lambda rate: layers.Dropout(rate, noise_shape=(None, 1, 4)))])
+def test_dropout_with_a_noise_shape_trains_as_on_one_device(cpus, shape,
+                                                            layer):
+    """A `noise_shape` with the batch's rows first (`SpatialDropout`'s):
+    the probe's doubled batch and the replicas' shards draw one device's
+    numbers (the probe crashed on it)."""
+    def build():
+        keras.utils.set_random_seed(5)
+        model = keras.Sequential([
+            keras.Input(shape), layers.Dense(4), layer(0.5),
+            layers.Flatten(), layers.Dense(1)])
+        model.compile("adam", "mse")
+        return model
+
+    rng = np.random.default_rng(2)
+    x = rng.normal(size=(11,) + shape).astype("float32")
+    y = rng.normal(size=(11, 1)).astype("float32")
+    single = build()
+    single.fit(x, y, batch_size=5, epochs=2, shuffle=False, verbose=0)
+    model = build()
+    # Batches of 5, 5, 1: shards 2/1/1/1 and 1/0/0/0.
+    keras_mirror.MirroredModel(model, devices=cpus).fit(
+        x, y, batch_size=5, epochs=2, shuffle=False, verbose=0)
+    for a, b in zip(single.get_weights(), model.get_weights()):
+        np.testing.assert_allclose(b, a, atol=1e-6)
+
+
 @pytest.mark.parametrize("execution", ["strategy"])
 def test_shuffle_of_a_shard_differs_per_replica(execution, cpus):
     class Shuffles(Draws):
