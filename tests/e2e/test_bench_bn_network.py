@@ -8,39 +8,17 @@ Elsewhere it checks that the benchmark says why and exits 0, and skips
 with that reason.
 """
 
-import json
-import os
-import subprocess
-import sys
 
 import pytest
-from support import helpers
-
-ROOT = str(helpers.ROOT)
-sys.path.insert(0, os.path.join(ROOT, "benchmarks"))
-
-import netns  # noqa: E402
+from support.network_bench import quick_report
 
 pytestmark = pytest.mark.xdist_group("network")  # see test_bench_network
-
-SCRIPT = os.path.join(ROOT, "benchmarks", "bench_bn_network.py")
 TIMEOUT = 58
 
 
-@pytest.mark.timeout(TIMEOUT + 2)
+@pytest.mark.timeout(TIMEOUT + 5)
 def test_quick_run_writes_report(tmp_path):
-    reason = netns.unavailable()
-    out = tmp_path / "bn"
-    env = dict(os.environ, PYTHONPATH=ROOT)
-    proc = subprocess.run(
-        [sys.executable, SCRIPT, "--quick", "--timeout", "50", "--out",
-         str(out)], cwd=ROOT, capture_output=True, text=True, env=env,
-        timeout=TIMEOUT)  # SIGKILL on timeout
-    assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
-    if reason:
-        assert "skipped" in proc.stdout and "root" in proc.stdout
-        pytest.skip(f"cannot make network namespaces here: {reason}")
-    report = json.loads((tmp_path / "bn.json").read_text())
+    report = quick_report("bench_bn_network.py", tmp_path / "bn", TIMEOUT)
     (row,) = report["rows"]
     assert row["rate"] == "1gbit"
     for v in ("global", "per_replica", "no_bn"):
