@@ -355,3 +355,38 @@ def test_grouped_convolutions_in_every_method(cpus):
                 model.predict_on_batch(x)]
 
     parity.assert_same(*parity.both(_grouped, call, cpus))
+
+
+# -- string inputs through a lookup layer ---------------------------------
+
+WORDS = tf.constant([["a"], ["b"], ["c"], ["a"], ["d"], ["b"], ["c"]])
+WORD_Y = np.arange(7, dtype="float32")[:, None]
+
+
+def _lookup_model():
+    inputs = keras.Input((1,), dtype="string")
+    hot = layers.StringLookup(vocabulary=["a", "b", "c"],
+                              output_mode="one_hot")(inputs)
+    model = keras.Model(inputs, layers.Dense(1)(layers.Flatten()(hot)))
+    model.compile(optimizer="sgd", loss="mse")
+    return model
+
+
+@pytest.mark.parametrize("kind", ["tensor", "dataset"])
+def test_string_inputs_through_a_lookup_train_exactly(cpus, kind):
+    """Strings for a `StringLookup` (an out-of-vocabulary word too), in
+    batches of 3 on 4 replicas (an empty shard each step)."""
+    def data():
+        if kind == "tensor":
+            return (WORDS, WORD_Y), {"batch_size": 3}
+        return (tf.data.Dataset.from_tensor_slices(
+            (WORDS, WORD_Y)).batch(3),), {}
+
+    def call(model):
+        args, kwargs = data()
+        return [model.fit(*args, epochs=2, shuffle=False, verbose=0,
+                          **kwargs),
+                model.evaluate(*args, verbose=0, **kwargs),
+                model.predict(WORDS, batch_size=3, verbose=0)]
+
+    parity.assert_same(*parity.both(_lookup_model, call, cpus))
