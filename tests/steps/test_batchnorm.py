@@ -11,6 +11,11 @@ import keras_mirror
 from keras_mirror.steps import _batchnorm
 
 TOL = 1e-5
+# The MLP's second BatchNorm keeps a moving variance of 0.93 that ends
+# 1.07e-5 from one device's (main at d8d99c2: 1.08e-5) when its test runs
+# alone, below 1e-5 in the suite's order: rounding of the per-replica
+# partial sums, amplified over 8 updates (the weights stay within 7e-6).
+MOVING_TOL = 2e-5
 # 4 replicas: 2/2/2/1, 1/1/1/0 (an empty shard), 1/1/0/0, 3/2/2/2.
 SIZES = (7, 3, 2, 9)
 
@@ -72,7 +77,11 @@ def test_plain_batch_norm_trains_as_one_device(cpus, builder):
     single = _train(builder, wrap=False)
     model = _train(builder, wrap=True)
     assert _moving(model)
-    assert _max_diff(single, model) < TOL
+    moving = {id(w) for w in _moving(model)}
+    for w, a, b in zip(model.weights, single.get_weights(),
+                       model.get_weights()):
+        tol = MOVING_TOL if id(w) in moving else TOL
+        assert float(np.max(np.abs(a - b))) < tol, w.path
 
 
 @pytest.mark.parametrize("builder", [convnet, mlp])
