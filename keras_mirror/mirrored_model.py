@@ -13,6 +13,7 @@ from keras_mirror.distribute import _worker_input
 from keras_mirror.distribute import devices as devices_lib
 from keras_mirror.steps import _batchnorm
 from keras_mirror.steps import _execution
+from keras_mirror.steps import _stand_in
 from keras_mirror.steps import _state
 from keras_mirror.steps import dispatch
 from keras_mirror.steps import own_step
@@ -186,6 +187,8 @@ class MirroredModel(ReplicaAttributes, _user_model.UserModelState,
         self._comm_options = comm
         self.replica_history = {}
         self._custom_step = own_step.setup(original)
+        if self._custom_step:
+            _stand_in.warn_unpadded_own_step(original, self._devices)
         if original.built:
             self.built = True
         if spec is not None:

@@ -84,13 +84,7 @@ def row_multiple(model, devices, reductions=None):
     activity regularisers: `reductions.extras`): they would see the
     stand-in rows, so it keeps 1, said once.
     """
-    from keras_mirror.wrapper import _rebuild
-
-    if not all("CPU" in str(d).upper() for d in devices) or not any(
-            isinstance(layer, _CONVOLUTIONS)
-            for layer in _rebuild.all_layers(model)):
-        return 1
-    if not _compat.onednn_enabled():
+    if not _onednn_convolutions(model, devices):
         return 1
     if reductions is not None and reductions.extras:
         if model not in _SAID:
@@ -104,6 +98,29 @@ def row_multiple(model, devices, reductions=None):
                 model.name)
         return 1
     return ROW_MULTIPLE
+
+
+def _onednn_convolutions(model, devices):
+    """Whether `model`'s convolutions run oneDNN's CPU kernels here."""
+    from keras_mirror.wrapper import _rebuild
+
+    return all("CPU" in str(d).upper() for d in devices) and any(
+        isinstance(layer, _CONVOLUTIONS)
+        for layer in _rebuild.all_layers(model)) and _compat.onednn_enabled()
+
+
+def warn_unpadded_own_step(model, devices):
+    """Says once, when wrapping, that a model's own `train_step` runs its
+    shards as they are where oneDNN's convolutions could abort on them."""
+    if len(devices) < 2 or not _onednn_convolutions(model, devices):
+        return
+    logging.getLogger("keras_mirror").warning(
+        "%r has its own `train_step`, which keras-mirror runs on each "
+        "replica's shard as it is: odd shards are not padded to even ones "
+        "on oneDNN's CPU kernels, and TF 2.21's oneDNN convolution "
+        "backprop can abort on odd batches (docs/onednn.md). Use global "
+        "batches that give every replica an even number of rows, or set "
+        "TF_ENABLE_ONEDNN_OPTS=0 before TensorFlow starts.", model.name)
 
 
 def bounds(sizes, multiple=1):

@@ -206,3 +206,43 @@ def test_row_multiple_says_once_why_it_does_not_pad(monkeypatch, caplog):
         "which the stand-in rows would change. TF 2.21's oneDNN "
         "convolution backprop can abort on odd batches (docs/onednn.md); "
         "set TF_ENABLE_ONEDNN_OPTS=0 to avoid it."]
+
+
+class OwnConvStep(keras.Model):
+    def __init__(self, net):
+        super().__init__()
+        self.net = net
+
+    def call(self, x):
+        return self.net(x)
+
+    def train_step(self, data):
+        return {}
+
+
+@pytest.mark.parametrize("onednn,net,warned", [
+    (True, _conv_model, True),
+    (False, _conv_model, False),  # TF_ENABLE_ONEDNN_OPTS=0
+    (True, lambda: keras.Sequential([keras.Input((3,)),
+                                     keras.layers.Dense(1)]), False),
+])
+def test_an_own_step_with_convolutions_is_warned_when_wrapped(
+        monkeypatch, caplog, cpus, onednn, net, warned):
+    """A model's own `train_step` sees its shard as it is (no padding):
+    where oneDNN runs its convolutions it is said when wrapping."""
+    import keras_mirror
+
+    monkeypatch.setattr(_compat, "onednn_enabled", lambda: onednn)
+    model = OwnConvStep(net())
+    with caplog.at_level("WARNING", logger="keras_mirror"):
+        keras_mirror.MirroredModel(model, devices=cpus)
+    said = [r.getMessage() for r in caplog.records
+            if "its own `train_step`" in r.getMessage()]
+    assert said == ([
+        f"{model.name!r} has its own `train_step`, which keras-mirror runs "
+        "on each replica's shard as it is: odd shards are not padded to "
+        "even ones on oneDNN's CPU kernels, and TF 2.21's oneDNN "
+        "convolution backprop can abort on odd batches (docs/onednn.md). "
+        "Use global batches that give every replica an even number of "
+        "rows, or set TF_ENABLE_ONEDNN_OPTS=0 before TensorFlow starts."]
+        if warned else [])
