@@ -306,6 +306,13 @@ _FLATTEN_LAYERS = "_flatten_layers"
 _OWN_LOSSES = "_losses"
 
 
+def layers_within(model):
+    """Every layer `model` tracks, itself first (`Layer._flatten_layers`):
+    attributes that hold a layer too (an RNN's `cell`), which
+    `model.layers` does not list."""
+    return list(getattr(model, _FLATTEN_LAYERS)(include_self=True))
+
+
 def loss_owners(model):
     """`"layer 'name'"` for each `add_loss` term, in `model.losses` order."""
     owners = []

@@ -63,6 +63,36 @@ def _static_kind(loss):
     return MEAN
 
 
+def known(model):
+    """The terms' kinds where no probe is needed, else None.
+
+    Known without running the model when every compiled output's loss is a
+    built-in Keras loss (its kind is its `reduction`), `compute_loss` is
+    Keras's own, and every layer the model tracks is a Keras class with no
+    activity regulariser: such layers add no `add_loss` term, so
+    `model.losses` holds weight regularisation only. Anything else (a loss
+    function of the user's, an own layer or model class, a keras-hub
+    layer) is probed on the first batch.
+    """
+    entries = _compat.flat_losses(model)
+    if _own_compute_loss(model) or not entries:
+        return None  # not built yet, or no compiled loss: probed
+    outputs = []
+    for entry in entries:
+        kind = _static_kind(entry.loss)
+        if kind is None:
+            return None
+        outputs.append(WEIGHTED if kind == MEAN and weighted_mean(
+            entry.loss) else kind)
+    for layer in _compat.layers_within(model):
+        if not type(layer).__module__.startswith("keras.") or getattr(
+                layer, "activity_regularizer", None) is not None:
+            return None
+    regularised = sum(getattr(v, "regularizer", None) is not None
+                      for v in model.trainable_weights)
+    return Reductions(extras=[MEAN] * regularised, outputs=outputs)
+
+
 def probe(model, batch, training=True):
     """Classifies `model`'s loss terms on `batch` (`(x, y, sample_weight)`).
 

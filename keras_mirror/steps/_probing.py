@@ -1,5 +1,8 @@
 """The first train or test call classifies the loss terms on its own batch.
 
+Unless they are known without it (`_loss_kinds.known`: built-in losses and
+Keras's own layers), which `needs_probe` sets before any batch is read.
+
 `_loss_kinds.probe` needs real rows: on a batch of zeros (all a `tf.data`
 element spec gives without reading) a sum and a mean are both 0, and a
 masked model gives NaN. Reading a batch ahead would make `fit` read more
@@ -25,7 +28,6 @@ import tensorflow as tf
 
 from keras_mirror.distribute import _worker_input
 from keras_mirror.steps import _loss_kinds
-from keras_mirror.wrapper import _validate
 
 
 def needs_probe(mirrored, training=True):
@@ -40,6 +42,10 @@ def needs_probe(mirrored, training=True):
                                             False):
         return False
     reductions = getattr(mirrored, "_reductions", None)
+    if reductions is None:
+        # Built-in losses and layers only: known without a probe.
+        reductions = mirrored._reductions = _loss_kinds.known(
+            mirrored._inner)
     return reductions is None or (training and not reductions.training)
 
 
@@ -97,8 +103,9 @@ def first_call(mirrored, function, training=True):
         try:
             first = next(iterator)
         except (StopIteration, tf.errors.OutOfRangeError):
-            # Not read ahead by `fit`'s checks (`_validate._check_dataset`).
-            raise _validate.empty_dataset(iterator) from None
+            # An input that yields nothing: Keras's own end of data (its
+            # "ran out of data" warning), as where nothing is probed.
+            return function(iterator)
         classify(mirrored, first, training)
         return function(_replay(mirrored, first, iterator))
 

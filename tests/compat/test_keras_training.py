@@ -145,6 +145,15 @@ def test_loss_owners_name_the_add_loss_layers():
     assert len(model.losses) == 1
 
 
+def test_layers_within_reach_an_rnn_cell():
+    cell = keras.layers.SimpleRNNCell(3, name="cell")
+    model = keras.Sequential([keras.Input((4, 2)), keras.layers.RNN(cell)])
+    layers = _compat.layers_within(model)
+    assert layers[0] is model
+    assert any(layer is cell for layer in layers)
+    assert not any(layer is cell for layer in model.layers)
+
+
 def test_clip_hook_exists_and_is_used():
     opt = keras.optimizers.SGD(1.0, clipnorm=1.0)
     var = keras.Variable(np.zeros(2, "float32"))

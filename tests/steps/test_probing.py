@@ -188,14 +188,152 @@ def test_the_probe_reuses_the_first_batch_and_traces_the_step_once(
     monkeypatch.setattr(dispatch.StepDispatch, "train_step", counting)
     x, y = _data()
     ds = tf.data.Dataset.from_tensor_slices((x, y)).batch(14)
-    make = lambda: _mlp(keras.losses.MeanSquaredError(reduction="sum"),  # noqa
-                        spe=spe)
+    # A loss of the user's own: its kind is probed on the first batch.
+    make = lambda: _mlp(_own_sum, spe=spe)  # noqa
+    probes = _counting_probes(monkeypatch)
     single, expected, mirrored, logs = _both(make, ds)
+    assert len(probes) == 1
     assert len(traced) == 1
     assert int(mirrored.optimizer.iterations) == int(
         single.optimizer.iterations) == 8
     assert max_diff(single.get_weights(), mirrored.get_weights()) < 1e-5
     _assert_same_logs(expected, logs)
+
+
+def _own_sum(y_true, y_pred):
+    return keras.ops.sum(keras.ops.square(y_true - y_pred))
+
+
+def _counting_probes(monkeypatch):
+    """The list the loss-term probe appends to each time it runs."""
+    from keras_mirror.steps import _loss_terms
+
+    probes, evaluate = [], _loss_terms.evaluate
+
+    def counting(*args, **kwargs):
+        probes.append(1)
+        return evaluate(*args, **kwargs)
+
+    monkeypatch.setattr(_loss_terms, "evaluate", counting)
+    return probes
+
+
+class _OwnIdentity(keras.layers.Layer):
+    def call(self, x):
+        return x
+
+
+class _OwnCell(keras.layers.Layer):
+    """A SimpleRNN cell of the user's, held only as an `RNN`'s `cell`."""
+
+    def __init__(self, **kwargs):
+        super().__init__(**kwargs)
+        self.state_size = 2
+        self.dense = keras.layers.Dense(2)
+
+    def call(self, x, states):
+        out = self.dense(keras.ops.concatenate([x, states[0]], axis=-1))
+        return out, [out]
+
+
+def _builtin_net(reduction="sum", **dense):
+    keras.utils.set_random_seed(0)
+    model = keras.Sequential([
+        keras.Input((6,)), keras.layers.Dense(8, activation="relu", **dense),
+        keras.layers.Dropout(0.3), keras.layers.Dense(2)])
+    model.compile(optimizer=keras.optimizers.SGD(0.01),
+                  loss=keras.losses.MeanSquaredError(reduction=reduction))
+    return model
+
+
+@pytest.mark.parametrize("reduction", ["sum", "sum_over_batch_size"])
+def test_builtin_losses_and_layers_train_exactly_without_a_probe(
+        reduction, monkeypatch):
+    """Keras's own losses and layers: the kinds come from the losses'
+    `reduction`, and the first step reads no batch ahead to probe."""
+    probes = _counting_probes(monkeypatch)
+    x, y = _data()
+    ds = tf.data.Dataset.from_tensor_slices((x, y)).batch(14)
+    make = lambda: _builtin_net(  # noqa
+        reduction, kernel_regularizer=keras.regularizers.L2(0.01))
+    single, expected, mirrored, logs = _both(make, ds, validation_data=ds)
+    assert probes == []
+    kind = "sum" if reduction == "sum" else "mean"
+    assert mirrored._reductions.outputs == (kind,)
+    assert mirrored._reductions.extras == ("mean",)
+    assert max_diff(single.get_weights(), mirrored.get_weights()) < 1e-5
+    _assert_same_logs(expected, logs)
+
+
+@pytest.mark.parametrize("layer", ["own_layer", "own_rnn_cell",
+                                   "activity_regulariser"])
+def test_a_layer_that_may_add_a_loss_is_probed(layer, monkeypatch):
+    probes = _counting_probes(monkeypatch)
+    inner = {
+        "own_layer": lambda: _OwnIdentity(),
+        "own_rnn_cell": lambda: keras.Sequential([
+            keras.layers.Reshape((3, 2)),
+            keras.layers.RNN(_OwnCell()), keras.layers.Dense(8)]),
+        "activity_regulariser": lambda: keras.layers.Dense(
+            8, activity_regularizer=keras.regularizers.L1(0.01)),
+    }[layer]
+
+    def make():
+        keras.utils.set_random_seed(0)
+        model = keras.Sequential([keras.Input((6,)), inner(),
+                                  keras.layers.Dense(2)])
+        model.compile(optimizer=keras.optimizers.SGD(0.01), loss="mse")
+        return model
+
+    x, y = _data()
+    ds = tf.data.Dataset.from_tensor_slices((x, y)).batch(14)
+    single, expected, mirrored, logs = _both(make, ds)
+    assert probes == [1]
+    assert max_diff(single.get_weights(), mirrored.get_weights()) < 1e-5
+
+
+@pytest.mark.parametrize("execution", [None], ids=["no_step"])
+def test_the_known_kinds_are_the_probed_kinds():
+    """Every scalar built-in reduction, a loss weighted 0, sample-weighted
+    means and weight regularisation: `known` says what the probe measures
+    (`reduction="none"` alone: `test_reductions_none.py`)."""
+    from keras_mirror.steps import _loss_kinds
+
+    keras.utils.set_random_seed(0)
+    a = keras.Input((6,))
+    hidden = keras.layers.Dense(
+        8, activation="tanh", kernel_regularizer=keras.regularizers.L2(0.1),
+        bias_regularizer=keras.regularizers.L1(0.1))(a)
+    names = ["sum", "sum_over_batch_size", "mean", "mean_with_sample_weight",
+             "zero_weight"]
+    model = keras.Model(a, [keras.layers.Dense(2, name=n)(hidden)
+                            for n in names])
+    losses = [keras.losses.MeanSquaredError(reduction=n) for n in names[:-1]]
+    model.compile(optimizer="sgd",
+                  loss=losses + [keras.losses.Huber(reduction="sum")],
+                  loss_weights=[1.0] * (len(names) - 1) + [0.0])
+    x, _ = _data(12)
+    y = [np.ones((12, 2), "float32")] * len(names)
+    sw = [np.linspace(0.5, 2.0, 12).astype("float32")] * len(names)
+    model.evaluate(x, y, sample_weight=sw, verbose=0)  # builds the loss
+    probed = _loss_kinds.probe(model, (x, y, sw))
+    known = _loss_kinds.known(model)
+    assert known.outputs == probed.outputs
+    assert known.extras == probed.extras == ("mean", "mean")
+    assert known.compiled == probed.compiled
+
+
+def test_an_empty_dataset_ends_as_in_keras(monkeypatch):
+    """A filtered dataset that yields nothing: Keras's "ran out of data"
+    warning and an empty history, probed or not."""
+    ds = tf.data.Dataset.from_tensor_slices(_data()).filter(
+        lambda a, b: False).batch(14)
+    for make in (_builtin_net, lambda: _mlp(_own_sum)):
+        for model in (make(), keras_mirror.MirroredModel(make())):
+            with pytest.warns(UserWarning, match="ran out of data"):
+                history = model.fit(ds, epochs=1, verbose=0)
+            assert history.history == {}
+            assert model.evaluate(ds, verbose=0) == []
 
 
 def test_add_loss_sum_and_zero_initialised_regulariser():
