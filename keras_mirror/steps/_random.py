@@ -140,7 +140,11 @@ def _rows(draw, shape, ctx, rows_at=None):
             return tf.concat([first, parts], 0)
 
         first = block(0)
-        return tf.cond(tf.equal(blocks, 1), lambda: first, stacked)
+        # The loop over blocks is a function of its own, not inlined: the
+        # step's graph holds one call op, optimised and run only if taken.
+        later = tf.function(stacked, autograph=False,
+                            experimental_attributes={"_noinline": True})
+        return tf.cond(tf.equal(blocks, 1), lambda: first, later)
 
     def as_asked():
         return draw(tf.concat([[lead], rest], 0))
