@@ -141,7 +141,8 @@ def count_steps(x, batch_size, steps_per_epoch, validation_split=0.0):
         return n if n >= 0 else None
     if isinstance(x, keras.utils.PyDataset):
         return x.num_batches
-    if x is not None and is_array(x):
+    if x is not None and is_array(x) and any(
+            t is not None for t in tf.nest.flatten(x)):
         rows = num_rows(x)
         if validation_split:
             rows = int(math.floor(rows * (1.0 - validation_split)))

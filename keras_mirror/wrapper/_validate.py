@@ -50,17 +50,14 @@ def check_fit(mirrored, x, y, batch_size, epochs, steps_per_epoch,
     _positive_int("steps_per_epoch", steps_per_epoch)
     _arguments.check_fit_arguments(epochs, callbacks, kwargs)
     check_sample_weight_type(kwargs.get("sample_weight"))
-    if isinstance(x, tf.data.Dataset):
-        _check_dataset(x, steps_per_epoch, mirrored.batch_mode,
-                       mirrored.num_replicas)
-    elif isinstance(x, keras.utils.PyDataset):
+    if isinstance(x, keras.utils.PyDataset):
         if mirrored.batch_mode == "per_replica" and x.num_batches:
             _check_groups(x.num_batches, mirrored.num_replicas)
     _warn_idle_replicas(mirrored, x, batch_size)
     _check_class_weight(kwargs.get("class_weight"))
     _check_validation_form(validation_data)
-    if mirrored.worker_input != "shard":
-        refuse_hint("x", x)  # last: it walks the pipeline's graph
+    if isinstance(x, tf.data.Dataset):  # last: it walks the pipeline
+        _check_dataset(mirrored, x, steps_per_epoch)
 
 
 def check_evaluate(mirrored, x, batch_size, kwargs):
@@ -221,8 +218,13 @@ def check_sample_weight_type(sample_weight):
         f"class. Received: sample_weight={sample_weight!r}")
 
 
-def _check_dataset(x, steps_per_epoch, batch_mode, num_replicas):
-    """A dataset must yield, hold enough batches and group evenly."""
+def _check_dataset(mirrored, x, steps_per_epoch):
+    """A dataset must hold no `SHARD_HINT` outside virtual shards (which
+    also makes it count no elements), yield, hold enough batches and
+    group evenly."""
+    if mirrored.worker_input != "shard":
+        refuse_hint("x", x)
+    batch_mode, num_replicas = mirrored.batch_mode, mirrored.num_replicas
     card = int(x.cardinality())
     # A dataset of unknown size is not read ahead to see whether it is
     # empty (plain Keras reads each element once): the first step says so
@@ -307,7 +309,7 @@ def _warn_idle_replicas(mirrored, x, batch_size):
         return
     n = mirrored.num_replicas
     rows = _global_rows(x, batch_size)
-    if rows is None or n <= 2 * rows:
+    if not rows or n <= 2 * rows:  # no rows: `_contents` refuses them
         return
     warnings.warn(
         f"{n} replicas for a global batch of {rows} rows: {n - rows} "

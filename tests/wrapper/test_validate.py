@@ -9,7 +9,8 @@ then that the weights and the optimizer's variables are bit for bit as
 before, and that the same wrapper trains a step afterwards.
 `tests/test_errors.py` lists them in `docs/errors.md`.
 
-Also the tests of `keras_mirror/wrapper/_targets.py`.
+Also the tests of `keras_mirror/wrapper/_contents.py` (the input's
+contents against the model: values, rows, targets, input shapes).
 """
 
 import keras
