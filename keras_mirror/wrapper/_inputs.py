@@ -105,19 +105,20 @@ def first_batch(x, y=None, sample_weight=None, shapes_only=False,
     `first` (the pass's `First` of the input as the user gave it), which
     reads it at most once for every stage.
     """
-    if first is None and is_generator(x):
-        return None  # reading it here would lose an element
-    first = first if first is not None else _first.First(x)
-    if isinstance(x, tf.data.Dataset):
+    if first is None:
+        first = _first.First(x)
+        if first.kind == "generator":
+            return None  # reading it here would lose an element
+    if first.kind == "dataset":
         element = batch_from_spec(x)
         if element is None and shapes_only:
             element = _dense_spec(x)
         if element is None:
             element = first.read()
         return keras.utils.unpack_x_y_sample_weight(element)
-    if isinstance(x, keras.utils.PyDataset) or is_generator(x):
+    if first.kind in ("pydataset", "generator"):
         return keras.utils.unpack_x_y_sample_weight(first.read())
-    if x is not None and is_array(x):
+    if first.kind == "arrays":
         return tf.nest.map_structure(
             lambda t: None if t is None else _head(t, shapes_only),
             (x, y, sample_weight))
@@ -141,9 +142,9 @@ def count_steps(x, batch_size, steps_per_epoch, validation_split=0.0):
         return n if n >= 0 else None
     if isinstance(x, keras.utils.PyDataset):
         return x.num_batches
-    if x is not None and is_array(x) and any(
-            t is not None for t in tf.nest.flatten(x)):
-        rows = num_rows(x)
+    leaves = [t for t in tf.nest.flatten(x) if t is not None]
+    if leaves and is_array(x):
+        rows = int(leaves[0].shape[0])
         if validation_split:
             rows = int(math.floor(rows * (1.0 - validation_split)))
         return math.ceil(rows / (batch_size or 32))

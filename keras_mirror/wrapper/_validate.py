@@ -42,7 +42,8 @@ def check_fit(mirrored, x, y, batch_size, epochs, steps_per_epoch,
     """
     refuse_validation(validation_data)
     check_input("x", x)
-    _check_input(mirrored._inner, x)
+    _check_some_input(mirrored._inner, x)
+    _check_string(x)
     refuse_endless("x", x, "steps_per_epoch", steps_per_epoch)
     refuse_endless("validation_data", validation_data, "validation_steps",
                    kwargs.get("validation_steps"))
@@ -63,7 +64,8 @@ def check_fit(mirrored, x, y, batch_size, epochs, steps_per_epoch,
 def check_evaluate(mirrored, x, batch_size, kwargs):
     """`evaluate`'s arguments and what its input says without reading it."""
     check_input("x", x)
-    _check_input(mirrored._inner, x)
+    _check_some_input(mirrored._inner, x)
+    _check_string(x)
     refuse_endless("x", x, "steps", kwargs.get("steps"))
     _positive_int("batch_size", batch_size)
     check_sample_weight_type(kwargs.get("sample_weight"))
@@ -143,11 +145,6 @@ def refuse_hint(name, x):
 
 def _fn_name(fn):
     return getattr(fn, "__name__", None) or type(fn).__name__
-
-
-def _check_input(model, x):
-    _check_some_input(model, x)
-    _check_string(x)
 
 
 def _check_some_input(model, x):
