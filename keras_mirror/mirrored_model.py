@@ -244,23 +244,20 @@ class MirroredModel(ReplicaAttributes, _user_model.UserModelState,
             self, x, y, batch_size, epochs, verbose, callbacks,
             validation_data, steps_per_epoch, kwargs)
         backup = step_backup.find(prepared.callbacks)
-
-        def keras_fit(x, *args, **kwargs):
-            # On a cluster, this worker's rows become the strategy's
-            # distributed dataset only now, after a resume skipped some.
-            return super(MirroredModel, self).fit(
-                _worker_input.distributed(self, x), *args, **kwargs)
+        keras_fit = super().fit
+        if self._worker_input == "shard":  # this worker's rows
+            keras_fit = _worker_input.fit_reader(self, keras_fit)
 
         with self._homes.mirrored(), _user_model.saves_through(self):
             if backup is not None:
                 return backup.resume_fit(
                     self, keras_fit, prepared.x, prepared.y,
                     prepared.batch_size, epochs, steps_per_epoch,
-                    prepared.keras_kwargs(), steps=prepared.steps)
+                    prepared.keras_kwargs, steps=prepared.steps)
             return keras_fit(
                 prepared.x, prepared.y, batch_size=prepared.batch_size,
                 epochs=epochs, steps_per_epoch=steps_per_epoch,
-                **prepared.keras_kwargs())
+                **prepared.keras_kwargs)
 
     @_rebuild.outside_other_strategies
     @_model_methods.through_model

@@ -28,13 +28,14 @@ import tensorflow as tf
 
 from keras_mirror import _compat
 from keras_mirror.distribute import _homes
-from keras_mirror.distribute import _input_fn
 from keras_mirror.distribute import _virtual_shards
 from keras_mirror.wrapper import _arguments
 from keras_mirror.wrapper import _compile
-from keras_mirror.wrapper import _fit_input
+from keras_mirror.wrapper import _first
+from keras_mirror.wrapper import _grouping
 from keras_mirror.wrapper import _inputs
 from keras_mirror.wrapper import _rendering
+from keras_mirror.wrapper import _validate
 
 
 class VerifyReport:
@@ -126,11 +127,14 @@ def verify(mirrored, x, y=None, batch_size=None, steps=3, tolerance=1e-5,
     # With virtual shards, one device trains on the global batches they
     # make (in one process: every shard), not on the pipeline's own.
     source = _virtual_shards.fit_dataset(mirrored, x) if virtual else x
-    first = _inputs.First(source)
-    reference_x, reference_batch = _fit_input.adapt(
+    first = _first.First(source)
+    reference_x, reference_batch = _grouping.adapt(
         mirrored, source, batch_size, first)
-    _compile.ensure_built(mirrored, reference_x, y,
-                          fit_kwargs.get("sample_weight"), first)
+    _, example = _inputs.prepare(mirrored, reference_x, y,
+                                 fit_kwargs.get("sample_weight"),
+                                 reference_batch, None, first)
+    _compile.ensure_built(mirrored, reference_x, example, y,
+                          training=False)
     state = _Snapshot(mirrored)
     fit_kwargs.setdefault("shuffle", False)
     try:
@@ -152,8 +156,7 @@ def verify(mirrored, x, y=None, batch_size=None, steps=3, tolerance=1e-5,
 
 def _check(x, steps, tolerance, fit_kwargs, virtual):
     if not virtual:
-        _input_fn.check_input("x", x)
-        _input_fn.refuse_hint("x", x)
+        _validate.refuse_unread("x", x)
     if not _arguments.is_int(steps) or steps < 1:
         raise ValueError(
             f"`steps` must be a positive integer. Received: steps={steps!r}")

@@ -51,7 +51,8 @@ COVERED_BY = {
     "wrapper/_rendering": "test_mirrored_model.py",
     "wrapper/_replica_attributes": "test_mirrored_model.py",
     "wrapper/_resume": "callbacks/test_step_backup.py",
-    "wrapper/_targets": "wrapper/test_validate.py",
+    "wrapper/_contents": "wrapper/test_validate.py",
+    "wrapper/_first": "wrapper/test_fit_input.py",
 }
 
 

@@ -111,17 +111,18 @@ _SHARD_COUNTS = ("_num_shards", "_index")
 def has_shard_hint(dataset):
     """Whether `dataset` or an input of it (not those inside its functions)
     is a `shard(SHARD_HINT, SHARD_HINT)`."""
-    _require(dataset, (_DATASET_INPUTS,), "tf.data.Dataset",
-             "find a SHARD_HINT outside virtual shards")
+    if not hasattr(dataset, _DATASET_INPUTS):
+        raise _missing(f"tf.data.Dataset.{_DATASET_INPUTS}",
+                       "find a SHARD_HINT outside virtual shards")
     todo, seen = [dataset], set()
     while todo:
         d = todo.pop()
         if id(d) in seen:
             continue
         seen.add(id(d))
-        counts = [getattr(d, name, None) for name in _SHARD_COUNTS]
-        if all(c is not None for c in counts) and all(
-                int(c) == -1 for c in counts):
+        shards, index = (getattr(d, name, None) for name in _SHARD_COUNTS)
+        if shards is not None and index is not None and \
+                int(shards) == -1 and int(index) == -1:
             return True
         todo.extend(getattr(d, _DATASET_INPUTS)())
     return False

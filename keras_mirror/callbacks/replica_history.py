@@ -16,7 +16,6 @@ import numpy as np
 from keras_mirror import errors
 from keras_mirror.callbacks import _replica_logs
 from keras_mirror.callbacks._replica_logs import PREFIX
-from keras_mirror.wrapper import _inputs
 
 # How each per-step vector turns into an epoch value per replica.
 _EPOCH_SUM = ("replica_samples", "replica_sample_weight", "replica_nonfinite")
@@ -225,7 +224,7 @@ def callback_list(mirrored, callbacks, verbose, epochs, steps):
         verbose=verbose, epochs=epochs, steps=steps, model=mirrored)
 
 
-def route_test_callbacks(mirrored, x, batch_size, kwargs):
+def route_test_callbacks(mirrored, steps, kwargs):
     """`evaluate`'s and `predict`'s callbacks: the user's model, plain logs.
 
     Replaces `kwargs["callbacks"]` (a list) by a `ReplicaCallbackList`;
@@ -237,6 +236,4 @@ def route_test_callbacks(mirrored, x, batch_size, kwargs):
     verbose = kwargs.get("verbose", "auto")
     kwargs["callbacks"] = _replica_logs.ReplicaCallbackList(
         list(callbacks), add_progbar=verbose != 0, verbose=verbose,
-        epochs=1, steps=_inputs.count_steps(x, batch_size,
-                                            kwargs.get("steps")),
-        model=mirrored)
+        epochs=1, steps=steps, model=mirrored)

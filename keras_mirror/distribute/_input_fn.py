@@ -8,18 +8,13 @@ tensor with a batch dimension. Otherwise TensorFlow fails deep inside the
 pipeline's `concat` (or, across workers, in the all-gather), naming
 neither `input_fn` nor the shard.
 
-Also the refusal of an `x` no input adapter reads: None, a number, or a
-function where no virtual shards call it (`worker_input="replicate"`,
-`evaluate`, `predict`, `verify`, ...), and of a `SHARD_HINT` pipeline
-there.
+(An `x` that nothing reads, a function outside virtual shards included,
+is refused in `wrapper/_validate`.)
 """
 
 import inspect
 
-import numpy as np
 import tensorflow as tf
-
-from keras_mirror import _compat
 
 
 def check_signature(input_fn):
@@ -98,38 +93,3 @@ def check_specs(specs, source):
                 "their batches are concatenated into each global batch. "
                 f"Received: virtual shard {index} yields {describe(spec)}, "
                 f"virtual shard 0 yields {describe(first)}")
-
-
-def check_input(name, value):
-    """Refuses an `x` that no input adapter reads: a number, or a function
-    where no virtual shards call it (`worker_input="replicate"`,
-    `evaluate`, `predict`, `verify`, ...). `None` gets Keras's own error
-    (`wrapper/_inputs.check_some_input`)."""
-    if isinstance(value, (bool, int, float, complex, np.number, np.bool_)):
-        raise ValueError(
-            f"`{name}` must be arrays, a `tf.data.Dataset`, a "
-            "`keras.utils.PyDataset` or a generator. "
-            f"Received: {name}={value!r}")
-    if callable(value) and not isinstance(
-            value, (tf.data.Dataset, tf.Tensor, tf.Variable)):
-        raise ValueError(
-            f"`{name}` must be arrays, a `tf.data.Dataset`, a "
-            "`keras.utils.PyDataset` or a generator. A function "
-            "(`input_fn(input_context)`) is read only by `fit` with "
-            "`worker_input='shard'`, in virtual shards; here pass its "
-            "dataset, e.g. `input_fn(tf.distribute.InputContext())`. "
-            f"Received: {name}={_name(value)}")
-
-
-def refuse_hint(name, x):
-    """Refuses a pipeline holding `shard(SHARD_HINT, SHARD_HINT)` where no
-    virtual shards read it: TensorFlow fails at its first read (after a
-    whole epoch of training, for `validation_data`)."""
-    if isinstance(x, tf.data.Dataset) and _compat.has_shard_hint(x):
-        raise ValueError(
-            f"`{name}` must not hold `.shard(tf.data.experimental.SHARD_HINT"
-            ", tf.data.experimental.SHARD_HINT)` here: only the `x` of `fit` "
-            "with `worker_input='shard'` reads it (cut into virtual "
-            "shards), and TensorFlow refuses it anywhere else. Remove that "
-            "`shard`, or pass `worker_input='shard'` to `MirroredModel`. "
-            f"Received: {name} with `shard(SHARD_HINT, SHARD_HINT)`")

@@ -47,7 +47,7 @@ from keras_mirror import split
 from keras_mirror.distribute import _input_fn
 from keras_mirror.distribute import _multi_worker
 from keras_mirror.distribute import _pipeline_graph
-from keras_mirror.wrapper import _inputs
+from keras_mirror.wrapper import _validate
 
 ENV = _multi_worker.VIRTUAL_SHARDS_ENV
 BACKUP_KEYS = ("virtual_shards", "shard_positions")
@@ -148,7 +148,7 @@ def _dataset_shard(x, facts, num_shards, index, steps_per_epoch):
     shard = _compat.auto_shard(x.with_options(options), num_shards,
                                      index)
     # Known endless here (a SHARD_HINT pipeline is not, before sharding).
-    _inputs.refuse_endless("x", shard, "steps_per_epoch", steps_per_epoch)
+    _validate.refuse_endless("x", shard, "steps_per_epoch", steps_per_epoch)
     rows = split.balanced_sizes(facts.batch_size, num_shards)[index]
     return shard.rebatch(rows, drop_remainder=facts.drop_remainder)
 
@@ -174,8 +174,8 @@ def _fn_shards(input_fn, num_shards, mine, steps_per_epoch):
     every = [shards[v] if v in shards else _fn_dataset(
         input_fn, num_shards, v) for v in range(num_shards)]
     _input_fn.check_specs([s.element_spec for s in every], "input_fn")
-    _inputs.refuse_endless("input_fn", every, "steps_per_epoch",
-                           steps_per_epoch)
+    _validate.refuse_endless("input_fn", every, "steps_per_epoch",
+                             steps_per_epoch)
     for shard in shards.values():
         _check_pipeline(_pipeline_graph.inspect(shard), num_shards, True)
     return [shards[v] for v in mine]
@@ -244,6 +244,25 @@ def _logged(stream, message):
             lambda s: tf.zeros([0] + [0 if d is None else d
                                       for d in s.shape[1:]], s.dtype),
             stream.element_spec)))
+
+
+def fit_input(mirrored, x, y, batch_size, steps_per_epoch=None):
+    """`fit`'s `x`: this worker's virtual shards of a dataset or input_fn.
+
+    Unchanged unless `worker_input="shard"` and `x` is a `tf.data.Dataset`
+    or an `input_fn`; then a dataset of this worker's rows of each global
+    batch (all of them in one process), see `fit_dataset`.
+    """
+    if not applies(mirrored, x):
+        forget(mirrored)
+        return x
+    if mirrored.batch_mode != "global":
+        _refuse("needs `batch='global'`.", f"batch={mirrored.batch_mode!r}")
+    if y is not None or batch_size is not None:
+        _refuse("reads `x` as a dataset or `input_fn` of whole batches: "
+                "pass neither `y` nor `batch_size`.",
+                f"y={type(y).__name__}, batch_size={batch_size!r}")
+    return fit_dataset(mirrored, x, steps_per_epoch)
 
 
 def fit_dataset(mirrored, x, steps_per_epoch=None):

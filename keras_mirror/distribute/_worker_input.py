@@ -13,9 +13,13 @@ preprocessing), while the batch itself still crosses the network once per
 step. Each worker prints the rows it read per epoch.
 
 A `tf.data.Dataset` or an `input_fn(input_context)` is read in virtual
-shards (`_virtual_shards`): `virtual_input` turns it into this worker's
-stream at the start of `fit`, and the same all-gather assembles the global
-batch.
+shards (`_virtual_shards`): `_virtual_shards.fit_input` turns it into this
+worker's stream at the start of `fit`, and the same all-gather assembles
+the global batch.
+
+`shard_fit_input` is the last stage of the pass over `fit`'s input
+(`wrapper/_fit_input`); `fit_reader` then hands Keras's `fit` this
+worker's rows, distributed by the strategy (`distributed`).
 
 Supported: `batch="global"`, arrays with `shuffle=False` (the order must be
 the same on every worker and on a resumed run), no `validation_split`
@@ -26,14 +30,21 @@ prediction read their input whole.
 import math
 import sys
 
+import numpy as np
 import tensorflow as tf
 
 from keras_mirror import split
 from keras_mirror.distribute import _virtual_shards
 from keras_mirror.steps import _slicing
-from keras_mirror.wrapper import _inputs
 
 _MARK = "keras_mirror_worker_rows"
+
+
+def _arrays(x):
+    return x is not None and all(
+        isinstance(t, (np.ndarray, tf.Tensor, tf.SparseTensor,
+                       tf.RaggedTensor))
+        for t in tf.nest.flatten(x) if t is not None)
 
 
 def _refuse(problem, received):
@@ -45,7 +56,7 @@ def _check(mirrored, x, y, kwargs):
     if mirrored.batch_mode != "global":
         _refuse("needs `batch='global'`.",
                 f"batch={mirrored.batch_mode!r}")
-    if not _inputs.is_array(x):
+    if not _arrays(x):
         _refuse("reads rows of arrays (NumPy arrays or memory-mapped "
                 "`.npy` files) or virtual shards of a `tf.data.Dataset` "
                 "or an `input_fn(input_context)`; other inputs are read "
@@ -73,26 +84,6 @@ def segments(mirrored, rows, batch_size):
     return out
 
 
-def virtual_input(mirrored, x, y, batch_size, steps_per_epoch=None):
-    """`fit`'s `x`: this worker's virtual shards of a dataset or input_fn.
-
-    Unchanged unless `worker_input="shard"` and `x` is a `tf.data.Dataset`
-    or an `input_fn`; then a dataset of this worker's rows of each global
-    batch (all of them in one process), see `_virtual_shards`.
-    """
-    if not _virtual_shards.applies(mirrored, x):
-        _virtual_shards.forget(mirrored)
-        return x
-    if mirrored.batch_mode != "global":
-        _refuse("needs `batch='global'`.",
-                f"batch={mirrored.batch_mode!r}")
-    if y is not None or batch_size is not None:
-        _refuse("reads `x` as a dataset or `input_fn` of whole batches: "
-                "pass neither `y` nor `batch_size`.",
-                f"y={type(y).__name__}, batch_size={batch_size!r}")
-    return _virtual_shards.fit_dataset(mirrored, x, steps_per_epoch)
-
-
 def _is_virtual(mirrored, x):
     state = getattr(mirrored, "_virtual_state", None)
     return state is not None and x is state["dataset"]
@@ -113,7 +104,8 @@ def shard_fit_input(mirrored, x, y, batch_size, kwargs):
     sw = kwargs.pop("sample_weight", None)
     kwargs.pop("shuffle", None)
     parts = tuple(p for p in (x, y, sw) if p is not None)
-    rows = _inputs.num_rows(x)
+    rows = int(next(t for t in tf.nest.flatten(x)
+                    if t is not None).shape[0])
     batch_size = batch_size or 32
     bounds = segments(mirrored, rows, batch_size)
     position = mirrored.local_replica_ids[0] // len(mirrored.devices)
@@ -162,6 +154,20 @@ def _pieces(n_local):
         return tf.data.Dataset.range(n_local).map(piece)
 
     return split
+
+
+def fit_reader(mirrored, keras_fit):
+    """Keras's `fit` (`keras_fit`) on `x` as the strategy distributes it.
+
+    Returned to `MirroredModel.fit`, which calls it directly or, resuming
+    from a `StepBackup`, once per segment: on a cluster, this worker's rows
+    become the strategy's distributed dataset only then, after a resume
+    skipped some.
+    """
+    def fit(x, *args, **kwargs):
+        return keras_fit(distributed(mirrored, x), *args, **kwargs)
+
+    return fit
 
 
 def distributed(mirrored, x):

@@ -12,13 +12,13 @@ them for the replicas and compiles the wrapper itself as a shell that Keras's
 import warnings
 
 import keras
+import numpy as np
 import tensorflow as tf
 
 from keras_mirror import _compat
 from keras_mirror.distribute import _homes
 from keras_mirror.steps import own_step
 from keras_mirror.wrapper import _arguments
-from keras_mirror.wrapper import _inputs
 from keras_mirror.wrapper import _own_step_applies
 from keras_mirror.wrapper import _rebuild
 
@@ -176,31 +176,158 @@ def _build_own_step_loss(model, batch):
         pass
 
 
-def ensure_built(mirrored, x, y=None, sample_weight=None, first=None):
-    """Builds the model, optimizers, loss and metrics before a step.
+def ensure_built(mirrored, x, example, y=None, training=True):
+    """Builds the model, optimizers, loss and metrics before a step; then
+    the checks that need them built.
 
     Building in the first step would split an unbuilt model's first
     batch (which may not divide) and create variables inside replicas.
     Everything is built on one device, as the user's model would be;
-    the variables then move to the strategy (`_homes`). The batch comes
-    from the input's spec where it can, else from `first` (`_inputs.First`).
+    the variables then move to the strategy (`_homes`). `example` is a
+    small `(x, y, sample_weight)` batch of the input `x`
+    (`_inputs.example`), None when it gives none. `y` is the targets the
+    labels are checked on (None: the example's); `training` warns, as
+    Keras's `fit` does, when there is nothing to train.
     """
     inner = mirrored._inner
-    batch = _inputs.first_batch(x, y, sample_weight,
-                                shapes_only=inner.built, first=first)
-    if batch is None:
-        if inner.built and all(
+    if example is None:
+        if not inner.built or not all(
                 o.built for o in _homes.optimizers_of(inner)):
-            return
+            raise ValueError(
+                "The wrapped model is not built and keras-mirror cannot "
+                "take a batch from this input to build it. Build the model "
+                "first (e.g. `model.build(input_shape)`). "
+                f"Received: x={type(x).__name__}")
+    else:
+        build_from_batch(inner, example[0])
+    # The labels need the built model only, not its loss and optimizers.
+    check_sparse_labels(inner, y if y is not None or example is None
+                        else example[1])
+    if example is not None:
+        build(mirrored, example)
+        mirrored.built = True
+        mirrored._homes.refresh()
+    if training:
+        warn_nothing_to_train(mirrored)
+
+
+def build_model(mirrored, example):
+    """Builds an unbuilt model (only) from `example`, for `predict`."""
+    if not mirrored._inner.built:
+        build_from_batch(mirrored._inner,
+                         None if example is None else example[0])
+        mirrored._homes.refresh()
+
+
+def warn_nothing_to_train(mirrored):
+    """Keras's own warning for a model without trainable weights.
+
+    Keras's `train_step` warns so and runs the step without an update
+    (its metrics and random draws still run); the replicas' step does the
+    same. A model's own `train_step` warns itself, if it does.
+    """
+    if not mirrored._custom_step and not mirrored._inner.trainable_weights:
+        warnings.warn("The model does not have any trainable weights.")
+
+
+def build_from_batch(model, x):
+    """Builds an unbuilt model from a batch, as Keras's `fit` does.
+
+    Its `call` runs on symbolic tensors of the batch's shapes and dtypes
+    (`_compat.compute_output_spec`), so that nothing it does (a counter's
+    `assign`, a metric's update) happens outside the steps: plain `fit`
+    runs the model only in its steps. An input that has no symbolic form
+    here (ragged, sparse, strings) or a model that cannot be traced so is
+    called on the batch, once, in inference mode.
+    """
+    if model.built:
+        return
+    try:
+        _compat.compute_output_spec(model, _symbolic(x), training=False)
+    except Exception:  # noqa: BLE001 - the eager call below says why
+        pass
+    if not model.built:
+        model(x, training=False)
+
+
+class _NoSymbolicForm(TypeError):
+    pass
+
+
+def _symbolic(x):
+    """`x` with each array or dense tensor as a `keras.KerasTensor`."""
+    def leaf(value):
+        if value is None:
+            return None
+        if isinstance(value, (tf.SparseTensor, tf.RaggedTensor)) or (
+                not hasattr(value, "shape")):
+            raise _NoSymbolicForm(type(value).__name__)
+        return keras.KerasTensor(tuple(value.shape),
+                                 keras.backend.standardize_dtype(value.dtype))
+
+    return keras.tree.map_structure(leaf, x)
+
+
+def _shape(value):
+    shape = getattr(value, "shape", None)
+    return None if shape is None else tuple(
+        None if d is None else int(d) for d in shape)
+
+
+def _is_sparse_loss(loss):
+    name = loss if isinstance(loss, str) else getattr(
+        loss, "__name__", None) or getattr(getattr(
+            loss, "fn", None), "__name__", None)
+    return name == "sparse_categorical_crossentropy" or isinstance(
+        loss, keras.losses.SparseCategoricalCrossentropy)
+
+
+def _output_shape(model):
+    """The single output's shape, or None (several outputs, unknown)."""
+    try:
+        shape = model.output_shape
+    except (AttributeError, ValueError, RuntimeError):
+        return None
+    if isinstance(shape, tuple) and shape and all(
+            d is None or isinstance(d, int) for d in shape):
+        return shape
+    return None
+
+
+def check_sparse_labels(model, y):
+    """For a sparse cross-entropy on a built model: a class index per
+    output position, in range. Without it a one-hot `y` or a label beyond
+    the model's classes fails inside a traced replica step, naming
+    nothing."""
+    if y is None or isinstance(y, (list, tuple, dict)) or \
+            not _is_sparse_loss(getattr(model, "loss", None)):
+        return
+    shape = _shape(y)
+    if shape is None:
+        return
+    output = _output_shape(model)
+    # One class index per output position (a sequence model's targets are
+    # (batch, steps)): wrong only when `y` has the output's own rank with
+    # more than one value on the class axis, as a one-hot target has.
+    if output is not None and len(shape) == len(output) and \
+            shape[-1] not in (None, 1):
         raise ValueError(
-            "The wrapped model is not built and keras-mirror cannot "
-            "take a batch from this input to build it. Build the model "
-            "first (e.g. `model.build(input_shape)`). "
-            f"Received: x={type(x).__name__}")
-    _rebuild.build_from_batch(inner, batch[0])
-    build(mirrored, batch)
-    mirrored.built = True
-    mirrored._homes.refresh()
+            "`y` must hold one class index per output position (shape "
+            f"{output[:-1]} or {output[:-1] + (1,)}) for the loss "
+            "sparse_categorical_crossentropy; "
+            "one-hot targets go with categorical_crossentropy. "
+            f"Received: y.shape={shape}")
+    classes = output[-1] if output is not None and isinstance(
+        output[-1], int) else None
+    if classes is None or not isinstance(y, np.ndarray) or not y.size:
+        return
+    low, high = int(np.min(y)), int(np.max(y))
+    if low < 0 or high >= classes:
+        raise ValueError(
+            f"`y` must hold class indices in [0, {classes}) for the "
+            f"model's {classes} outputs and the loss "
+            "sparse_categorical_crossentropy. "
+            f"Received: y with labels from {low} to {high}")
 
 
 def require_compiled(mirrored, method):

@@ -20,7 +20,7 @@ import numpy as np
 
 from keras_mirror.callbacks import _replica_logs
 from keras_mirror.callbacks import replica_history
-from keras_mirror.wrapper import _validate
+from keras_mirror.wrapper import _compile
 
 
 def plain(mirrored, kind, run):
@@ -52,7 +52,7 @@ def plain(mirrored, kind, run):
 def checked(mirrored, run):
     """Runs `run()` (Keras's `train_on_batch`) and reports a non-finite
     step as `fit` would: a warning, or `NonFiniteError` for `"raise"`."""
-    _validate.warn_nothing_to_train(mirrored)
+    _compile.warn_nothing_to_train(mirrored)
     step = int(mirrored.optimizer.iterations.numpy()) + 1
     result, seen = plain(mirrored, "train", run)
     bad = seen.get("replica_nonfinite")

@@ -1,4 +1,4 @@
-"""The `model` argument: checks, the factory form, building from a batch.
+"""The `model` argument: checks, the factory form, its inputs' shapes.
 
 `MirroredModel` trains the user's own model object in place (see
 `_homes.py`); nothing here copies a model.
@@ -7,6 +7,7 @@
 import functools
 
 import keras
+import numpy as np
 import tensorflow as tf
 
 from keras_mirror import _compat
@@ -129,42 +130,43 @@ def all_layers(model):
     return out
 
 
-def build_from_batch(model, x):
-    """Builds an unbuilt model from a batch, as Keras's `fit` does.
-
-    Its `call` runs on symbolic tensors of the batch's shapes and dtypes
-    (`_compat.compute_output_spec`), so that nothing it does (a counter's
-    `assign`, a metric's update) happens outside the steps: plain `fit`
-    runs the model only in its steps. An input that has no symbolic form
-    here (ragged, sparse, strings) or a model that cannot be traced so is
-    called on the batch, once, in inference mode.
-    """
-    if model.built:
-        return
+def expected_inputs(model):
+    """The model's input structure of `KerasTensor`s, or None (unbuilt)."""
     try:
-        _compat.compute_output_spec(model, _symbolic(x), training=False)
-    except Exception:  # noqa: BLE001 - the eager call below says why
-        pass
-    if not model.built:
-        model(x, training=False)
+        if isinstance(model, keras.Sequential):
+            inputs = model.inputs
+            return inputs[0] if inputs and len(inputs) == 1 else None
+        return model.input
+    except (AttributeError, ValueError):
+        return None
 
 
-class _NoSymbolicForm(TypeError):
-    pass
+def fits(shape, expected):
+    """Whether inputs of `shape` fit a model input of shape `expected`
+    (None: any size), after the rank adjustment a Functional model makes
+    (`Functional._adjust_input_rank`): a trailing axis of size 1 is
+    dropped, or added where the input declares one."""
+    shape, expected = tuple(shape), tuple(expected)
+    if len(shape) == len(expected) + 1 and shape[-1] == 1:
+        shape = shape[:-1]
+    elif len(shape) == len(expected) - 1 and expected[-1] == 1:
+        expected = expected[:-1]
+    return len(shape) == len(expected) and all(
+        e is None or s is None or int(s) == int(e)
+        for s, e in zip(shape[1:], expected[1:]))
 
 
-def _symbolic(x):
-    """`x` with each array or dense tensor as a `keras.KerasTensor`."""
-    def leaf(value):
-        if value is None:
-            return None
-        if isinstance(value, (tf.SparseTensor, tf.RaggedTensor)) or (
-                not hasattr(value, "shape")):
-            raise _NoSymbolicForm(type(value).__name__)
-        return keras.KerasTensor(tuple(value.shape),
-                                 keras.backend.standardize_dtype(value.dtype))
-
-    return keras.tree.map_structure(leaf, x)
+def is_strings(dtype):
+    """Whether `dtype` (NumPy's, TensorFlow's or a Keras name) holds
+    strings."""
+    if dtype is None:
+        return False
+    if isinstance(dtype, tf.dtypes.DType) or dtype == "string":
+        return dtype in (tf.string, "string")
+    try:
+        return np.dtype(dtype).kind in "US"
+    except TypeError:
+        return False
 
 
 def check_no_outer_scope(model):

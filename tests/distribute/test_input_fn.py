@@ -18,6 +18,7 @@ import tensorflow as tf
 from keras_mirror import MirroredModel
 from keras_mirror.distribute import _input_fn
 from keras_mirror.distribute import _virtual_shards
+from keras_mirror.wrapper import _validate
 
 X = np.ones((8, 3), "float32")
 Y = np.ones((8, 1), "float32")
@@ -192,7 +193,7 @@ def test_a_number_as_x(cpus, value):
 def test_check_input_passes_what_keras_reads():
     for value in (X, [X, X], {"a": X}, tf.constant(X), _shard(X, Y),
                   iter([X])):
-        _input_fn.check_input("x", value)
+        _validate.check_input("x", value)
 
 
 def test_describe_shows_dtypes_and_shapes():

@@ -8,8 +8,9 @@ not empty, a batch to build or probe the loss from) would read more.
 
 Then every input kind, in both batch modes and with `worker_input="shard"`,
 counted element by element: `fit`'s input is prepared in one pass
-(`wrapper/_fit_input.py`), which reads a first element at most once, only
-where the input's spec cannot say what is needed, and shares it. The read
+(`wrapper/_fit_input.py`), which reads a first element at most once
+(`keras_mirror/wrapper/_first.py`), only where the input's spec cannot say
+what is needed, and shares it. The read
 path does not depend on the execution path (the pass runs before the step),
 so these run on the default one.
 """

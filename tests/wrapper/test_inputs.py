@@ -11,8 +11,11 @@ from support.helpers import max_diff
 from support.helpers import mlp
 
 import keras_mirror
-from keras_mirror.wrapper import _fit_input
+from keras_mirror.wrapper import _first
+from keras_mirror.wrapper import _grouping
 from keras_mirror.wrapper import _inputs
+from keras_mirror.wrapper import _rebuild
+from keras_mirror.wrapper import _validate
 
 
 def _counting(dataset):
@@ -57,7 +60,7 @@ def test_capacity_from_a_static_batch_size():
     x, y, _ = data(24)
     dataset, reads = _counting(tf.data.Dataset.from_tensor_slices(
         (x, y)).batch(6, drop_remainder=True))
-    assert _fit_input.capacity_of(dataset) == 6
+    assert _grouping.capacity_of(dataset, _first.First(dataset)) == 6
     assert reads == []
 
 
@@ -135,10 +138,10 @@ def test_generator_per_replica_short_last_group_is_refused(cpus):
 
 def test_is_strings_reads_every_kind_of_dtype():
     for dtype in ("string", tf.string, np.dtype("<U3"), "<U3", "S2"):
-        assert _inputs.is_strings(dtype), dtype
+        assert _rebuild.is_strings(dtype), dtype
     for dtype in (None, "float32", tf.float32, np.dtype("float32"), "int64",
                   "bfloat16", np.dtype("O")):
-        assert not _inputs.is_strings(dtype), dtype
+        assert not _rebuild.is_strings(dtype), dtype
 
 
 def test_strings_for_a_numeric_input_are_refused_before_a_step(cpus):
@@ -194,8 +197,8 @@ def test_refuse_endless_reads_cardinality_only():
     finite = tf.data.Dataset.range(3)
     unknown = finite.filter(lambda v: v > 0)
     for x in (finite, unknown, [finite, unknown], np.zeros(3), None):
-        _inputs.refuse_endless("x", x, "steps", None)
+        _validate.refuse_endless("x", x, "steps", None)
     with pytest.raises(ValueError, match="Received: steps=None"):
-        _inputs.refuse_endless("x", [finite, finite.repeat()], "steps",
+        _validate.refuse_endless("x", [finite, finite.repeat()], "steps",
                                None)
-    _inputs.refuse_endless("x", finite.repeat(), "steps", 2)
+    _validate.refuse_endless("x", finite.repeat(), "steps", 2)

@@ -9,8 +9,11 @@ then that the weights and the optimizer's variables are bit for bit as
 before, and that the same wrapper trains a step afterwards.
 `tests/test_errors.py` lists them in `docs/errors.md`.
 
-Also the tests of `keras_mirror/wrapper/_targets.py`.
+Also the tests of `keras_mirror/wrapper/_contents.py` (the input's
+contents against the model: values, rows, targets, input shapes).
 """
+
+import re
 
 import keras
 import numpy as np
@@ -129,3 +132,24 @@ def test_labels_in_range_and_integer_weights_are_accepted(cpus):
     mirrored.fit(X, y, batch_size=8, verbose=0,
                  class_weight={0: 1, 1: 2.0, 2: np.float32(0.5)})
     assert int(mirrored.optimizer.iterations.numpy()) == 2
+
+
+@pytest.mark.parametrize("method", ["fit", "evaluate"])
+def test_one_hot_labels_refused_once_the_wrapper_builds_the_model(cpus,
+                                                                  method):
+    """An unbuilt model built from a dataset's spec: the labels' check
+    that needs its outputs runs right after the build, before any step."""
+    model = keras.Sequential([keras.layers.Dense(3)])
+    mirrored = keras_mirror.MirroredModel(model, cpus)
+    mirrored.compile(optimizer="sgd", loss="sparse_categorical_crossentropy")
+    x = np.ones((8, 4), "float32")
+    one_hot = np.eye(3, dtype="float32")[np.arange(8) % 3]
+    dataset = tf.data.Dataset.from_tensor_slices((x, one_hot)).batch(4)
+    with pytest.raises(ValueError, match=re.escape(
+            "`y` must hold one class index per output position (shape ")
+            + r".*" + re.escape(
+                "for the loss sparse_categorical_crossentropy; one-hot "
+                "targets go with categorical_crossentropy. Received: "
+                "y.shape=(1, 3)")):
+        getattr(mirrored, method)(dataset, verbose=0)
+    assert int(mirrored.optimizer.iterations.numpy()) == 0
