@@ -74,7 +74,6 @@ class ReplicaSteps:
         return tf.nest.map_structure(
             lambda *parts: tf.concat(parts, axis=0), *local)
 
-
     def _first(self, per_replica):
         return self._strategy.experimental_local_results(per_replica)[0]
 
@@ -116,13 +115,25 @@ class ReplicaSteps:
         """This replica's rows of the plan (0: it runs a stand-in row)."""
         return tf.cast(active().shard_size, tf.int32)
 
-    def _forward(self, x, y, sw, multiple):
-        """The model on a shard, in training: `(x, y, y_pred, sw)` with a
-        padded shard's stand-in rows cut off (`_stand_in.unpadded`)."""
-        y_pred = self._inner(x, training=True)
-        if multiple == 1:
-            return x, y, y_pred, sw
-        return _stand_in.unpadded((x, y, y_pred, sw), self._real_rows())
+    def _replica_work(self, x, y, sw, global_rows, training=True,
+                      multiple=1, traced_once=False):
+        """A replica's forward pass and loss on its shard: the one function
+        of the built-in steps (train: under a tape, or traced once for all
+        replicas; test: as is). Returns `(y_pred, sw, mask, contribution,
+        shard)`, a padded shard's stand-in rows cut off. A masked output's
+        shares need an all-reduce: a single trace notes it (`_one_trace`)
+        and the step then traces per replica."""
+        y_pred = self._inner(x, training=training)
+        if multiple > 1:
+            x, y, y_pred, sw = _stand_in.unpadded((x, y, y_pred, sw),
+                                                  self._real_rows())
+        mask = arithmetic.output_mask(y_pred)
+        if mask is not None and traced_once:
+            _one_trace.note(_xla.MASKED)
+            mask = None
+        contribution, shard = self._replica_loss(
+            x, y, y_pred, sw, training, global_rows, mask)
+        return y_pred, sw, mask, contribution, shard
 
     # -- losses ------------------------------------------------------------
 
@@ -188,11 +199,9 @@ class ReplicaSteps:
         def body(x, y, sw, sizes, r, scale):
             with self._context(global_rows, sizes, r, traced_once=True,
                                compiled=compiled, multiple=multiple):
-                x, y, y_pred, sw = self._forward(x, y, sw, multiple)
-                if arithmetic.output_mask(y_pred) is not None:
-                    _one_trace.note(_xla.MASKED)
-                contribution, shard = self._replica_loss(
-                    x, y, y_pred, sw, True, global_rows)
+                y_pred, _, _, contribution, shard = self._replica_work(
+                    x, y, sw, global_rows, multiple=multiple,
+                    traced_once=True)
             return (y_pred, contribution, shard), contribution * scale
 
         return _one_trace.replica_work(self, body, shards=(0, 1, 2))
@@ -232,10 +241,8 @@ class ReplicaSteps:
             with tf.GradientTape() as tape, self._context(
                     global_rows, sizes, multiple=multiple):
                 rows = self._real_rows()
-                x, y, y_pred, sw = self._forward(x, y, sw, multiple)
-                mask = arithmetic.output_mask(y_pred)
-                contribution, shard = self._replica_loss(
-                    x, y, y_pred, sw, True, global_rows, mask)
+                y_pred, sw, mask, contribution, shard = self._replica_work(
+                    x, y, sw, global_rows, multiple=multiple)
                 scaled = optimizer.scale_loss(contribution)
             grads = tape.gradient(scaled, variables)
             grads = arithmetic.zero_if_empty(grads, rows)
@@ -356,10 +363,8 @@ class ReplicaSteps:
         x, y, sw = self._unpack(packed, present)
         with self._context(global_rows, sizes):
             rows = self._real_rows()
-            y_pred = self._inner(x, training=False)
-            mask = arithmetic.output_mask(y_pred)
-            contribution, shard = self._replica_loss(
-                x, y, y_pred, sw, False, global_rows, mask)
+            y_pred, _, mask, contribution, _ = self._replica_work(
+                x, y, sw, global_rows, training=False)
         ctx = tf.distribute.get_replica_context()
         loss = ctx.all_reduce(tf.distribute.ReduceOp.SUM, contribution)
         y_pred, mask = _stand_in.real_rows((y_pred, mask), rows)
