@@ -30,21 +30,14 @@ prediction read their input whole.
 import math
 import sys
 
-import numpy as np
 import tensorflow as tf
 
 from keras_mirror import split
 from keras_mirror.distribute import _virtual_shards
 from keras_mirror.steps import _slicing
+from keras_mirror.wrapper import _inputs
 
 _MARK = "keras_mirror_worker_rows"
-
-
-def _arrays(x):
-    return x is not None and all(
-        isinstance(t, (np.ndarray, tf.Tensor, tf.SparseTensor,
-                       tf.RaggedTensor))
-        for t in tf.nest.flatten(x) if t is not None)
 
 
 def _refuse(problem, received):
@@ -56,7 +49,7 @@ def _check(mirrored, x, y, kwargs):
     if mirrored.batch_mode != "global":
         _refuse("needs `batch='global'`.",
                 f"batch={mirrored.batch_mode!r}")
-    if not _arrays(x):
+    if not _inputs.is_array(x):
         _refuse("reads rows of arrays (NumPy arrays or memory-mapped "
                 "`.npy` files) or virtual shards of a `tf.data.Dataset` "
                 "or an `input_fn(input_context)`; other inputs are read "
@@ -104,8 +97,7 @@ def shard_fit_input(mirrored, x, y, batch_size, kwargs):
     sw = kwargs.pop("sample_weight", None)
     kwargs.pop("shuffle", None)
     parts = tuple(p for p in (x, y, sw) if p is not None)
-    rows = int(next(t for t in tf.nest.flatten(x)
-                    if t is not None).shape[0])
+    rows = _inputs.num_rows(x)
     batch_size = batch_size or 32
     bounds = segments(mirrored, rows, batch_size)
     position = mirrored.local_replica_ids[0] // len(mirrored.devices)
