@@ -27,6 +27,8 @@ from keras_mirror._compat._base import (
     check_keras_version as check_keras_version,
 )
 from keras_mirror._compat._base import keras_version as keras_version
+from keras_mirror._compat._base import note_replaced as note_replaced
+from keras_mirror._compat._base import recording as recording
 from keras_mirror._compat._base import replaced as replaced
 from keras_mirror._compat.keras_backend import (
     _BACKEND_MODULE as _BACKEND_MODULE,

@@ -6,6 +6,7 @@ import keras  # noqa: F401
 
 from keras_mirror._compat._base import _missing  # noqa: F401
 from keras_mirror._compat._base import _require
+from keras_mirror._compat._base import note_replaced
 
 # -- masks (keras_mirror.steps.arithmetic, steps.in_graph) ----------------
 
@@ -89,6 +90,7 @@ def set_backing(variable, tf_variable):
     """Makes `tf_variable` the one behind the Keras `variable`."""
     _check_variable_api(variable)
     setattr(variable, _VARIABLE_BACKING, tf_variable)
+    note_replaced("keras.Variable", _VARIABLE_BACKING)
 
 
 def new_backing(variable, value):

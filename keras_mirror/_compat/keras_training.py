@@ -75,18 +75,10 @@ def _identity(value):
 def unscaled_losses():
     """Within the block, Keras losses are not divided by the replica count."""
     module = _loss_module()
-    saved = {}
-    for name in _LOSS_SCALERS:
-        _require(module, (name,), _LOSS_MODULE,
-                 "compute a replica's own loss exactly")
-        saved[name] = getattr(module, name)
-    try:
-        for name in _LOSS_SCALERS:
-            setattr(module, name, _identity)
+    _require(module, _LOSS_SCALERS, _LOSS_MODULE,
+             "compute a replica's own loss exactly")
+    with replaced(module, {name: _identity for name in _LOSS_SCALERS}):
         yield
-    finally:
-        for name, fn in saved.items():
-            setattr(module, name, fn)
 
 
 def replace_optimizer_allreduce(optimizer, make_hook):
@@ -101,7 +93,8 @@ def replace_optimizer_allreduce(optimizer, make_hook):
         if opt is None:
             continue
         _replace_method(opt, _ALLREDUCE_HOOK, make_hook,
-                        "replace the optimizer's own gradient all-reduce")
+                        "replace the optimizer's own gradient all-reduce",
+                        owner="keras.optimizers.Optimizer")
 
 
 # An optimizer clips (`clipnorm`, `global_clipnorm`, `clipvalue`) in
@@ -114,7 +107,8 @@ _CLIP_HOOK = "_clip_gradients"
 def replace_optimizer_clip(optimizer, make_hook):
     """Replaces `optimizer._clip_gradients` by `make_hook(original)`."""
     _replace_method(optimizer, _CLIP_HOOK, make_hook,
-                    "all-reduce gradients before clipping")
+                    "all-reduce gradients before clipping",
+                    owner="keras.optimizers.Optimizer")
 
 
 # The TF backend's optimizer applies each variable's update through
@@ -175,14 +169,12 @@ def _distributing(optimizer, strategy, purpose):
                                                  None)) if o is not None]
     for o in optimizers:
         _require(o, (_OPTIMIZER_STRATEGY,), type(o).__name__, purpose)
-    saved = [(o, o.__dict__[_OPTIMIZER_STRATEGY]) for o in optimizers]
-    try:
+    with contextlib.ExitStack() as stack:
         for o in optimizers:
-            object.__setattr__(o, _OPTIMIZER_STRATEGY, strategy)
+            stack.enter_context(replaced(
+                o, {_OPTIMIZER_STRATEGY: strategy},
+                label="keras.optimizers.Optimizer"))
         yield
-    finally:
-        for o, previous in saved:
-            object.__setattr__(o, _OPTIMIZER_STRATEGY, previous)
 
 
 def distributes_through(optimizer, strategy):
@@ -211,8 +203,10 @@ def updates_in_place(optimizer):
     with _distributing(
             optimizer, _InPlace,
             "trace the optimizer's update once for all replicas"), \
-            replaced(interim, {_MERGE_CALL: _in_place_merge_call}), \
-            replaced(distribute, {_NO_MERGE_CALL: lambda: True}):
+            replaced(interim, {_MERGE_CALL: _in_place_merge_call},
+                     label=_MERGE_CALL_OWNER), \
+            replaced(distribute, {_NO_MERGE_CALL: lambda: True},
+                     label="tf.__internal__.distribute"):
         yield
 
 
@@ -251,6 +245,7 @@ def has_compiled_loss_or_metrics(model):
 # (`keras.src.losses.losses.LossFunctionWrapper`, which also wraps a loss
 # given by name) applies a Keras loss function to each sample, then reduces.
 _FLAT_LOSSES = "_flat_losses"
+_COMPILE_LOSS_CLASS = "keras.src.trainers.compile_utils.CompileLoss"
 _LOSS_WRAPPER = ("keras.src.losses.losses", "LossFunctionWrapper")
 
 
@@ -278,12 +273,10 @@ def reporting_flat_losses(model, report):
             return value
         return call
 
-    setattr(compile_loss, _FLAT_LOSSES, [
-        e._replace(loss=reporting(i, e.loss)) for i, e in enumerate(entries)])
-    try:
+    with replaced(compile_loss, {_FLAT_LOSSES: [
+            e._replace(loss=reporting(i, e.loss))
+            for i, e in enumerate(entries)]}, label=_COMPILE_LOSS_CLASS):
         yield
-    finally:
-        setattr(compile_loss, _FLAT_LOSSES, entries)
 
 
 def keras_per_sample_loss(loss):

@@ -15,6 +15,7 @@ Moments over other axes (`LayerNormalization`, `GroupNormalization`) are
 per row and stay local.
 """
 
+import collections
 import contextlib
 import logging
 
@@ -80,17 +81,37 @@ def _global(original):
 
 
 @contextlib.contextmanager
-def global_moments(batchnorm):
+def global_moments():
     """Within the block, plain BatchNorm's moments are the global batch's
-    (`batchnorm="global"`); a no-op for `"per_replica"`."""
-    if batchnorm != "global":
-        yield
-        return
+    (`batchnorm="global"`, entered only where the model has plain
+    BatchNorm: `kinds`)."""
     module = _compat.moments_module()
     original = getattr(module, _compat.LOCAL_MOMENTS)
     with _compat.replaced(module, {
             _compat.LOCAL_MOMENTS: _global(original)}):
         yield
+
+
+# What a model's BatchNormalization layers need in a replica step, decided
+# once per compile (`kinds`): `synchronized`, a synchronized layer (its
+# statistics leave a stand-in row out); `global_plain`, a plain layer with
+# `batchnorm="global"` (its moments made the global batch's);
+# `forward_collectives`, either (an all-reduce in the forward pass).
+Kinds = collections.namedtuple(
+    "Kinds", ["synchronized", "global_plain", "forward_collectives"])
+
+
+def kinds(mirrored):
+    """The model's BatchNorm `Kinds`, kept in the wrapper's `StepState`
+    until the next compile."""
+    state = mirrored._step_state
+    if state.batchnorm is None:
+        layers = batchnorm_layers(mirrored._inner)
+        synced = any(layer.synchronized for layer in layers)
+        plain = getattr(mirrored, "_batchnorm", "global") == "global" and \
+            any(not layer.synchronized for layer in layers)
+        state.batchnorm = Kinds(synced, plain, synced or plain)
+    return state.batchnorm
 
 
 def batchnorm_layers(model):

@@ -41,12 +41,16 @@ class Terms:
         self.outputs = dict(outputs)
 
 
-def call_compute_loss(model, x, y, y_pred, sample_weight, training):
-    """(loss, [(output index, unweighted value)]) of `model.compute_loss`."""
+def call_compute_loss(model, x, y, y_pred, sample_weight, training,
+                      report=True):
+    """(loss, [(output index, unweighted value)]) of `model.compute_loss`
+    (no values unless `report`)."""
     kwargs = dict(x=x, y=y, y_pred=y_pred, sample_weight=sample_weight)
     if "training" in inspect.signature(model.compute_loss).parameters:
         kwargs["training"] = training
     values = []
+    if not report:
+        return model.compute_loss(**kwargs), values
     with _compat.reporting_flat_losses(
             model, lambda i, v: values.append((i, v))):
         loss = model.compute_loss(**kwargs)

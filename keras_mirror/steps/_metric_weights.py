@@ -79,44 +79,50 @@ def read(metric, key):
     return tf.cast(out, tf.float32)
 
 
+def updated_in_replicas(model, own_step):
+    """The metrics a replica step may update: all of them in a model's own
+    `train_step`; in the built-in step all but the loss tracker and the
+    compiled metrics, which it updates once, outside the replicas, on the
+    gathered outputs (`strategy.ReplicaSteps._track`)."""
+    metrics = [m for m in getattr(model, "metrics", []) or []
+               if isinstance(m, keras.metrics.Metric)]
+    if own_step:
+        return metrics
+    outside = (_compat.loss_tracker(model),
+               getattr(model, "_compile_metrics", None))
+    return [m for m in metrics if not any(m is o for o in outside)]
+
+
 @contextlib.contextmanager
-def replica_weights(model, sums=()):
-    """Within the block, `model`'s mean metrics weigh replica updates.
+def replica_weights(model, sums=(), own_step=False):
+    """Within the block, the metrics updated in a replica weigh it as one
+    device would (`updated_in_replicas`; none: nothing is replaced).
 
     `sums`: the per-output loss trackers whose values are batch sums (a
     loss with `reduction="sum"`): the replicas' values add up, so each
-    update weighs its value divided by the share. Every metric's
-    `result()` is also recorded (see `source`), and no metric is updated
-    on a stand-in replica (`_stand_in`).
+    update weighs its value divided by the share. No metric is updated on
+    a stand-in replica (`_stand_in`). In a model's own step every metric's
+    `result()` is also recorded (see `source`).
     """
-    everything = [m for m in getattr(model, "metrics", []) or []
-                  if isinstance(m, keras.metrics.Metric)]
-    recorded = []
-    for metric in everything:
-        metric.result = _recording(metric.result, metric)
-        recorded.append(metric)
-    metrics = _compat.output_loss_trackers(model)
-    for metric in getattr(model, "metrics", []) or []:
-        if isinstance(metric, keras.metrics.Mean) and not any(
-                metric is m for m in metrics):
-            metrics.append(metric)
-    patched = []
-    try:
+    metrics = updated_in_replicas(model, own_step)
+    if not metrics:
+        yield
+        return
+    weighted = _compat.output_loss_trackers(model) + [
+        m for m in metrics if isinstance(m, keras.metrics.Mean)]
+    with contextlib.ExitStack() as stack:
         for metric in metrics:
-            metric.update_state = _weighted(
-                metric.update_state, any(metric is m for m in sums))
-            patched.append(metric)
-        for metric in everything:
+            update = metric.update_state
+            if any(metric is m for m in weighted):
+                update = _weighted(update, any(metric is m for m in sums))
             # A stand-in replica (an empty shard running one row) updates
             # no metric: its row is not data.
-            metric.update_state = _stand_in.unless_stand_in(
-                metric.update_state)
-            if not any(metric is m for m in patched):
-                patched.append(metric)
-        yield
-    finally:
-        for metric in patched:
-            metric.__dict__.pop("update_state", None)
-        for metric in recorded:
-            metric.__dict__.pop("result", None)
-        _PRODUCED.clear()
+            replacements = {"update_state": _stand_in.unless_stand_in(update)}
+            if own_step:
+                replacements["result"] = _recording(metric.result, metric)
+            stack.enter_context(_compat.replaced(
+                metric, replacements, label="keras.metrics.Metric"))
+        try:
+            yield
+        finally:
+            _PRODUCED.clear()

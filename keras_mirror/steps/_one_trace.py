@@ -59,8 +59,7 @@ def enabled(mirrored):
         return False
     if getattr(mirrored._inner, "run_eagerly", False):
         return False
-    if _batchnorm.needs_forward_collectives(
-            mirrored._inner, getattr(mirrored, "_batchnorm", "global")):
+    if _batchnorm.kinds(mirrored).forward_collectives:
         _log_once(mirrored, _batchnorm.FORWARD_COLLECTIVES)
         return False
     if len(mirrored.devices) == 1 or mirrored._multi_worker:

@@ -233,16 +233,32 @@ def loss_weight(entry):
     return 1.0 if weight is None else weight
 
 
-def compute_loss(model, x, y, y_pred, sample_weight, training):
+def _reads_outputs(reductions, model):
+    """Whether `reductions.terms` reads each compiled output's term: not
+    where every output is a batch mean reduced to a scalar (weighted as
+    the whole loss is), nor before the kinds are known."""
+    if reductions is None or reductions.outputs is None:
+        return False
+    return any(kind != MEAN for kind in reductions.outputs) or any(
+        getattr(e.loss, "reduction", None) not in _SCALAR_MEANS
+        for e in _compat.flat_losses(model) or [])
+
+
+_SCALAR_MEANS = ("sum_over_batch_size", "mean")
+
+
+def compute_loss(model, x, y, y_pred, sample_weight, training,
+                 reductions=None):
     """The model's own `compute_loss` (an override too), as Keras calls it.
 
     As a float32 scalar: an unreduced loss (`reduction="none"`, a vector)
     as its sum, which is what Keras's step differentiates. It carries its
-    `_Shard` (each compiled output's weighted term), which
-    `Reductions.terms` reads.
+    `_Shard` (each compiled output's weighted term, where `reductions`
+    reads them: `_reads_outputs`), which `Reductions.terms` reads.
     """
-    loss, values = _loss_terms.call_compute_loss(model, x, y, y_pred,
-                                                 sample_weight, training)
+    loss, values = _loss_terms.call_compute_loss(
+        model, x, y, y_pred, sample_weight, training,
+        report=_reads_outputs(reductions, model))
     if loss is None:
         return loss
     loss = tf.cast(loss, tf.float32)

@@ -13,31 +13,42 @@ from keras_mirror.steps import _stand_in
 
 
 @contextlib.contextmanager
-def replica_scope(mirrored):
-    """One device's losses, random draws and metric weights, per replica.
+def replica_scope(mirrored, own_step=False):
+    """One device's losses, random draws and metric weights, per replica
+    (`own_step`: in a model's own step, Keras's built-in one otherwise).
+
+    Only what the model needs is replaced (`docs/architecture.md` lists
+    each replacement and its reason):
 
     - Keras does not divide losses by the replica count
       (`_compat.unscaled_losses`): each replica computes its shard's own
       loss and keras-mirror weights it;
     - `keras.random` draws give one device's numbers (`_random`);
-    - mean metrics updated inside a replica weigh it as one device would
-      (`_metric_weights`), an output's loss that is a batch sum as a sum;
-    - an empty shard's stand-in row updates no metric and stays out of
-      synchronized BatchNorm's statistics (`_stand_in`);
-    - plain BatchNorm's moments are the global batch's unless
-      `batchnorm="per_replica"` (`_batchnorm`);
+    - the metrics a replica updates weigh it as one device would
+      (`_metric_weights`: an output's loss that is a batch sum as a sum)
+      and a stand-in row updates none; in the built-in step that is the
+      per-output loss trackers and the layers' own metrics (none for most
+      models), the compiled ones being updated outside the replicas;
+    - with synchronized BatchNorm, a stand-in row stays out of its
+      statistics (`_stand_in`); with plain BatchNorm, its moments are the
+      global batch's unless `batchnorm="per_replica"` (`_batchnorm`);
     - a stateful TF random op in the step (`tf.random.normal`), which
       draws per replica, is warned about once (`warn_stateful_draws`).
     """
     reductions = getattr(mirrored, "_reductions", None)
     sums = reductions.sum_trackers(mirrored._inner) if reductions else ()
+    layers = _batchnorm.kinds(mirrored)
     graph = tf.compat.v1.get_default_graph()
     version = graph.version
-    with _compat.unscaled_losses(), _random.exact_draws(), \
-            _metric_weights.replica_weights(mirrored._inner, sums), \
-            _stand_in.exclude_from_moments(), \
-            _batchnorm.global_moments(
-                getattr(mirrored, "_batchnorm", "global")):
+    with contextlib.ExitStack() as stack:
+        stack.enter_context(_compat.unscaled_losses())
+        stack.enter_context(_random.exact_draws())
+        stack.enter_context(_metric_weights.replica_weights(
+            mirrored._inner, sums, own_step=own_step))
+        if layers.synchronized:
+            stack.enter_context(_stand_in.exclude_from_moments())
+        if layers.global_plain:
+            stack.enter_context(_batchnorm.global_moments())
         yield
     warn_stateful_draws(mirrored, graph, version)
 

@@ -26,6 +26,10 @@ class StepState:
         stateful_warned: whether stateful TF random draws were warned about.
         scanned_graphs: the graphs already scanned for them.
         said: the `(what, reason)` pairs already logged or warned about.
+        output_masked: whether the last traced step's outputs carry a
+            Keras mask (gathered with it).
+        batchnorm: the model's BatchNorm `_batchnorm.Kinds` (None: to be
+            decided; reset by each compile).
     """
 
     one_trace_off: str = None
@@ -38,6 +42,8 @@ class StepState:
     scanned_graphs: weakref.WeakSet = dataclasses.field(
         default_factory=weakref.WeakSet)
     said: set = dataclasses.field(default_factory=set)
+    output_masked: bool = False
+    batchnorm: object = None
 
     def first_time(self, what, reason):
         """True the first time `(what, reason)` is to be said, else False:

@@ -58,8 +58,7 @@ def enabled(mirrored):
     if mirrored._custom_step:
         warn_once(mirrored, OWN_STEP)
         return False
-    if _batchnorm.needs_forward_collectives(
-            inner, getattr(mirrored, "_batchnorm", "global")):
+    if _batchnorm.kinds(mirrored).forward_collectives:
         warn_once(mirrored, _batchnorm.FORWARD_COLLECTIVES)
         return False
     return True

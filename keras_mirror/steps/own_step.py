@@ -217,7 +217,8 @@ def _run(mirrored, data, method):
         r = tf.distribute.get_replica_context().replica_id_in_sync_group
         return one_replica(shard, r)
 
-    with mirrored._strategy.scope(), _scope.replica_scope(mirrored):
+    with mirrored._strategy.scope(), \
+            _scope.replica_scope(mirrored, own_step=True):
         out = mirrored._strategy.run(replica_step, args=(shards,))
     if method == "train_step":
         _mixing.check(mirrored, shards)  # warns once of a whole-batch loss

@@ -145,7 +145,8 @@ class ReplicaSteps:
         # Losses are not divided by the replica count in a step
         # (`_compat.unscaled_losses`): this is one device's loss of the shard.
         shard = tf.cast(_reductions.compute_loss(
-            self._inner, x, y, y_pred, sw, training), tf.float32)
+            self._inner, x, y, y_pred, sw, training,
+            getattr(self, "_reductions", None)), tf.float32)
         first = tf.equal(active().replica_id, 0)
         if mask is None:
             count, total = rows, global_rows
@@ -166,12 +167,12 @@ class ReplicaSteps:
 
     def _with_mask(self, y_pred, mask):
         """`(y_pred, its mask)` to gather, noting whether there is one."""
-        self._output_masked = mask is not None
+        self._step_state.output_masked = mask is not None
         return (y_pred, mask) if mask is not None else y_pred
 
     def _gather_predictions(self, y_pred):
         gathered = self._gather(y_pred)
-        if getattr(self, "_output_masked", False):
+        if self._step_state.output_masked:
             return arithmetic.with_mask(*gathered)
         return gathered
 

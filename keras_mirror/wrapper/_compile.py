@@ -17,6 +17,7 @@ import tensorflow as tf
 
 from keras_mirror import _compat
 from keras_mirror.distribute import _homes
+from keras_mirror.steps import _batchnorm
 from keras_mirror.steps import own_step
 from keras_mirror.wrapper import _arguments
 from keras_mirror.wrapper import _own_step_applies
@@ -64,6 +65,7 @@ def adopt(mirrored):
         # replica's work follows the model's `jit_compile` (`steps/_xla`).
         jit_compile=False, auto_scale_loss=False)
     mirrored._reductions = None
+    mirrored._step_state.batchnorm = None
     mirrored._adopted = _CompileState(inner)
 
 
@@ -209,6 +211,9 @@ def ensure_built(mirrored, x, example, y=None, training=True):
         mirrored._homes.refresh()
     if training:
         warn_nothing_to_train(mirrored)
+    # What the step needs for the model's BatchNorm layers, decided once,
+    # before the first step traces (reset by each compile).
+    _batchnorm.kinds(mirrored)
 
 
 def build_model(mirrored, example):

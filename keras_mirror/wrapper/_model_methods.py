@@ -24,10 +24,11 @@ and answers only for the user's model object; any other model's call (the
 wrapper's own `super().fit`, for one) goes to Keras's method unchanged.
 """
 
-import contextlib
 import functools
 
 import keras
+
+from keras_mirror import _compat
 
 METHODS = ("fit", "evaluate", "predict", "train_on_batch", "test_on_batch",
            "predict_on_batch")
@@ -56,10 +57,8 @@ def through_model(method):
     return run
 
 
-@contextlib.contextmanager
 def _routed(name, model, target):
     """`keras.Model.<name>` calls `target` for `model`, during the block."""
-    own = name in vars(keras.Model)
     original = getattr(keras.Model, name)
 
     @functools.wraps(original)
@@ -68,11 +67,4 @@ def _routed(name, model, target):
             return target(*args, **kwargs)
         return original(self, *args, **kwargs)
 
-    setattr(keras.Model, name, routed)
-    try:
-        yield
-    finally:
-        if own:
-            setattr(keras.Model, name, original)
-        else:
-            delattr(keras.Model, name)
+    return _compat.replaced(keras.Model, {name: routed}, label="keras.Model")
