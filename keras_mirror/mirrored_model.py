@@ -180,7 +180,6 @@ class MirroredModel(ReplicaAttributes, _user_model.UserModelState,
         self._batchnorm = batchnorm
         _batchnorm.say_mode(original, batchnorm,
                             strategy.num_replicas_in_sync)
-        self._capacity = None
         self.on_nonfinite = on_nonfinite
         self._replica_stats = replica_stats
         self._gradient_dtype = gradient_dtype

@@ -293,7 +293,7 @@ class _Snapshot:
         # The wrapper's run records into a scratch dict (`scratch`); the
         # user's own records are put back untouched.
         self._replica_history = mirrored.replica_history
-        self._last = mirrored.__dict__.get("_last_replica_logs")
+        self._last = mirrored._step_state.last_replica_logs
         self._history = inner.__dict__.get("history")
         self._stop = getattr(inner, "stop_training", False)
 
@@ -310,7 +310,7 @@ class _Snapshot:
             variable.assign(value)
         mirrored = self._mirrored
         object.__setattr__(mirrored, "replica_history", self._replica_history)
-        object.__setattr__(mirrored, "_last_replica_logs", self._last)
+        mirrored._step_state.last_replica_logs = self._last
         inner = mirrored.model
         if self._history is None:
             inner.__dict__.pop("history", None)

@@ -112,9 +112,7 @@ from keras_mirror._compat.keras_training import (
 from keras_mirror._compat.keras_training import (
     keras_per_sample_loss as keras_per_sample_loss,
 )
-from keras_mirror._compat.keras_training import (
-    layers_within as layers_within,
-)
+from keras_mirror._compat.keras_training import layers_within as layers_within
 from keras_mirror._compat.keras_training import loss_owners as loss_owners
 from keras_mirror._compat.keras_training import loss_tracker as loss_tracker
 from keras_mirror._compat.keras_training import (

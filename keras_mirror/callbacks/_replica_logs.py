@@ -222,13 +222,12 @@ def remember(owner, logs):
     """Keeps the step's `replica_*` vectors (tensors; read when asked)."""
     if isinstance(logs, dict):
         vectors = {k: v for k, v in logs.items() if k.startswith(PREFIX)}
-        # Not a Keras-tracked attribute: a plain dict of this step's values.
-        object.__setattr__(owner, "_last_replica_logs", vectors)
+        owner._step_state.last_replica_logs = vectors
 
 
 def last_logs(owner):
     """`{name: NumPy vector}` of the last step's `replica_<name>` values."""
-    vectors = owner.__dict__.get("_last_replica_logs") or {}
+    vectors = owner._step_state.last_replica_logs or {}
     return {k[len(PREFIX):]: np.asarray(v).reshape(-1)
             for k, v in vectors.items()}
 

@@ -12,8 +12,8 @@ import tensorflow as tf
 
 def set_capacity(mirrored, capacity):
     """Sets the fill-rule capacity; a change retraces the step functions."""
-    if capacity != mirrored._capacity:
-        mirrored._capacity = capacity
+    if capacity != mirrored._step_state.capacity:
+        mirrored._step_state.capacity = capacity
         mirrored.train_function = None
         mirrored.test_function = None
         mirrored.predict_function = None

@@ -41,22 +41,22 @@ def needs_probe(mirrored, training=True):
     if mirrored._custom_step or not getattr(mirrored._inner, "compiled",
                                             False):
         return False
-    reductions = getattr(mirrored, "_reductions", None)
+    reductions = mirrored._step_state.reductions
     if reductions is None:
         # Built-in losses and layers only: known without a probe.
-        reductions = mirrored._reductions = _loss_kinds.known(
+        reductions = mirrored._step_state.reductions = _loss_kinds.known(
             mirrored._inner)
     return reductions is None or (training and not reductions.training)
 
 
 def classify(mirrored, element, training=True):
-    """Sets `mirrored._reductions` from one element of the input."""
+    """Sets the wrapper's loss kinds from one element of the input."""
     if isinstance(element, dict) and set(element) == {_worker_input._MARK}:
         # This worker's rows (of its local replicas, on a cluster).
         element = _worker_input.local_rows(element[_worker_input._MARK])
     batch = keras.utils.unpack_x_y_sample_weight(element)
-    mirrored._reductions = _loss_kinds.probe(mirrored._inner, batch,
-                                             training)
+    mirrored._step_state.reductions = _loss_kinds.probe(
+        mirrored._inner, batch, training)
 
 
 def _steps(mirrored):

@@ -35,7 +35,7 @@ def replica_scope(mirrored, own_step=False):
     - a stateful TF random op in the step (`tf.random.normal`), which
       draws per replica, is warned about once (`warn_stateful_draws`).
     """
-    reductions = getattr(mirrored, "_reductions", None)
+    reductions = mirrored._step_state.reductions
     sums = reductions.sum_trackers(mirrored._inner) if reductions else ()
     layers = _batchnorm.kinds(mirrored)
     graph = tf.compat.v1.get_default_graph()

@@ -28,6 +28,12 @@ class StepState:
         said: the `(what, reason)` pairs already logged or warned about.
         output_masked: whether the last traced step's outputs carry a
             Keras mask (gathered with it).
+        reductions: the kinds of the loss terms (`_reductions.Reductions`;
+            None: to be classified, `_probing`; reset by each compile).
+        capacity: the split capacity of `"per_replica"` batches
+            (`_capacity`; None: the balanced split of a global batch).
+        last_replica_logs: the last step's `replica_*` vectors
+            (`callbacks/_replica_logs.remember`).
         batchnorm: the model's BatchNorm `_batchnorm.Kinds` (None: to be
             decided; reset by each compile).
     """
@@ -44,6 +50,9 @@ class StepState:
     said: set = dataclasses.field(default_factory=set)
     output_masked: bool = False
     batchnorm: object = None
+    reductions: object = None
+    capacity: int = None
+    last_replica_logs: dict = None
 
     def first_time(self, what, reason):
         """True the first time `(what, reason)` is to be said, else False:

@@ -42,7 +42,7 @@ class ReplicaSteps:
 
     def _plan_sizes(self, batch_size):
         return split.sizes_tensor(batch_size, self.num_replicas,
-                                  self._capacity)
+                                  self._step_state.capacity)
 
     def _distribute(self, data, sizes, multiple=1):
         """Slices each leaf of `data` into the replicas' shards.
@@ -146,7 +146,7 @@ class ReplicaSteps:
         # (`_compat.unscaled_losses`): this is one device's loss of the shard.
         shard = tf.cast(_reductions.compute_loss(
             self._inner, x, y, y_pred, sw, training,
-            getattr(self, "_reductions", None)), tf.float32)
+            self._step_state.reductions), tf.float32)
         first = tf.equal(active().replica_id, 0)
         if mask is None:
             count, total = rows, global_rows
@@ -162,7 +162,7 @@ class ReplicaSteps:
         0, the weight regularisation.
         """
         return _reductions.weighted(
-            getattr(self, "_reductions", None), self._inner, shard,
+            self._step_state.reductions, self._inner, shard,
             self._inner.losses, count, total, first, rows)
 
     def _with_mask(self, y_pred, mask):
@@ -314,7 +314,7 @@ class ReplicaSteps:
             # An XLA-compiled replica work runs XLA's convolutions, not
             # oneDNN's kernels (and cannot cut a padded shard): no padding.
             multiple = 1 if _xla.enabled(self) else _stand_in.row_multiple(
-                self._inner, self.devices, getattr(self, "_reductions", None))
+                self._inner, self.devices, self._step_state.reductions)
             shards = self._distribute(packed, sizes, multiple)
         y_pred, loss, stats = self._run_train(shards, present, rows, start,
                                               sizes, multiple, packed)

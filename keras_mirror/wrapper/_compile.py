@@ -64,7 +64,7 @@ def adopt(mirrored):
         # The step's all-reduce and optimizer update stay uncompiled; each
         # replica's work follows the model's `jit_compile` (`steps/_xla`).
         jit_compile=False, auto_scale_loss=False)
-    mirrored._reductions = None
+    mirrored._step_state.reductions = None
     mirrored._step_state.batchnorm = None
     mirrored._adopted = _CompileState(inner)
 

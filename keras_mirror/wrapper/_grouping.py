@@ -141,9 +141,9 @@ def _validation(mirrored, validation_data, first):
     if not isinstance(validation_data,
                       (tf.data.Dataset, keras.utils.PyDataset)):
         return validation_data
-    capacity = mirrored._capacity
+    capacity = mirrored._step_state.capacity
     validation_data, _ = adapt(mirrored, validation_data, None, first)
-    if mirrored._capacity != capacity:
+    if mirrored._step_state.capacity != capacity:
         # One capacity splits the training and the validation steps: a
         # smaller one would drop training rows, a larger validation rows.
         raise ValueError(
@@ -151,7 +151,7 @@ def _validation(mirrored, validation_data, first):
             f"({capacity} rows) with `batch='per_replica'`: the training "
             "and validation steps split by one capacity, and another would "
             "drop rows. Received: validation_data with batches of "
-            f"{mirrored._capacity} rows")
+            f"{mirrored._step_state.capacity} rows")
     return validation_data
 
 

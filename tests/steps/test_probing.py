@@ -58,7 +58,7 @@ def test_sum_reduction_from_a_dataset_is_exact():
     make = lambda: _mlp(keras.losses.MeanSquaredError(reduction="sum"))  # noqa
     single, expected, mirrored, logs = _both(make, ds, validation_data=ds)
     assert max_diff(single.get_weights(), mirrored.get_weights()) < 1e-5
-    assert mirrored._reductions.outputs == ("sum",)
+    assert mirrored._step_state.reductions.outputs == ("sum",)
     _assert_same_logs(expected, logs)
 
 
@@ -81,7 +81,7 @@ def test_masked_model_from_a_dataset_is_classified_and_exact():
 
     single, expected, mirrored, logs = _both(make, ds)
     assert max_diff(single.get_weights(), mirrored.get_weights()) < 1e-5
-    assert mirrored._reductions.outputs == ("mean",)
+    assert mirrored._step_state.reductions.outputs == ("mean",)
     _assert_same_logs(expected, logs)
 
 
@@ -117,7 +117,7 @@ def test_each_output_is_trained_and_logged_by_its_own_reduction(
     single, expected, mirrored, logs = _both(
         lambda: _two_outputs(reductions), ds, validation_data=ds)
     assert max_diff(single.get_weights(), mirrored.get_weights()) < 1e-5
-    assert mirrored._reductions.outputs == kinds
+    assert mirrored._step_state.reductions.outputs == kinds
     assert {"a_loss", "b_loss", "val_a_loss", "val_b_loss"} <= set(expected)
     _assert_same_logs(expected, logs)
     np.testing.assert_allclose(
@@ -134,7 +134,7 @@ def test_evaluate_first_classifies_on_its_own_first_batch():
         _mlp(keras.losses.MeanSquaredError(reduction="sum")))
     np.testing.assert_allclose(mirrored.evaluate(ds, verbose=0),
                                single.evaluate(ds, verbose=0), rtol=1e-5)
-    assert mirrored._reductions.outputs == ("sum",)
+    assert mirrored._step_state.reductions.outputs == ("sum",)
 
 
 def test_a_builtin_loss_that_is_zero_on_the_first_batch_goes_by_reduction():
@@ -151,7 +151,7 @@ def test_a_builtin_loss_that_is_zero_on_the_first_batch_goes_by_reduction():
     ds = tf.data.Dataset.from_tensor_slices((x, y)).batch(14)
     single, expected, mirrored, logs = _both(make, ds)
     assert max_diff(single.get_weights(), mirrored.get_weights()) < 1e-5
-    assert mirrored._reductions.outputs == ("sum",)
+    assert mirrored._step_state.reductions.outputs == ("sum",)
 
 
 def test_a_custom_loss_that_is_zero_on_the_first_batch_trains():
@@ -259,8 +259,8 @@ def test_builtin_losses_and_layers_train_exactly_without_a_probe(
     single, expected, mirrored, logs = _both(make, ds, validation_data=ds)
     assert probes == []
     kind = "sum" if reduction == "sum" else "mean"
-    assert mirrored._reductions.outputs == (kind,)
-    assert mirrored._reductions.extras == ("mean",)
+    assert mirrored._step_state.reductions.outputs == (kind,)
+    assert mirrored._step_state.reductions.extras == ("mean",)
     assert max_diff(single.get_weights(), mirrored.get_weights()) < 1e-5
     _assert_same_logs(expected, logs)
 
@@ -359,7 +359,7 @@ def test_add_loss_sum_and_zero_initialised_regulariser():
     ds = tf.data.Dataset.from_tensor_slices((x, y)).batch(14)
     single, expected, mirrored, logs = _both(make, ds)
     assert max_diff(single.get_weights(), mirrored.get_weights()) < 1e-5
-    assert mirrored._reductions.extras == ("sum", "mean")
+    assert mirrored._step_state.reductions.extras == ("sum", "mean")
     _assert_same_logs(expected, logs)
 
 
@@ -453,7 +453,7 @@ def test_a_batch_sum_of_normalised_outputs_is_a_sum():
     x, y = _data(45)
     ds = tf.data.Dataset.from_tensor_slices((x, y)).batch(14)
     single, expected, mirrored, logs = _both(make, ds)
-    assert mirrored._reductions.outputs == ("sum",)
+    assert mirrored._step_state.reductions.outputs == ("sum",)
     assert max_diff(single.get_weights(), mirrored.get_weights()) < 1e-5
 
 
@@ -488,7 +488,7 @@ def test_a_mixed_float16_batch_sum_is_a_sum():
     x, y = _data(45)
     ds = tf.data.Dataset.from_tensor_slices((x * 19, y)).batch(14)
     single, expected, mirrored, logs = _both(make, ds)
-    assert mirrored._reductions.extras == ("sum",)
+    assert mirrored._step_state.reductions.extras == ("sum",)
     assert np.isfinite(expected["loss"]).all()
     assert max_diff(single.get_weights(), mirrored.get_weights()) < 1e-5
 
@@ -540,8 +540,9 @@ def test_every_reduction_with_dropout_weights_and_add_loss_terms(reduction):
     ds = tf.data.Dataset.from_tensor_slices((x, targets, weights)).batch(14)
     single, expected, mirrored, logs = _both(make, ds)
     kind = "sum" if reduction == "sum" else "mean"
-    assert mirrored._reductions.outputs == (kind, "mean")
-    assert mirrored._reductions.extras == ("mean", "sum", "mean", "sum")
+    assert mirrored._step_state.reductions.outputs == (kind, "mean")
+    assert mirrored._step_state.reductions.extras == (
+        "mean", "sum", "mean", "sum")
     assert max_diff(single.get_weights(), mirrored.get_weights()) < 1e-5
     _assert_same_logs(expected, logs)
 
@@ -599,9 +600,9 @@ def test_evaluate_then_fit_classifies_a_training_only_term_again():
     mirrored = keras_mirror.MirroredModel(make())
     np.testing.assert_allclose(mirrored.evaluate(ds, verbose=0),
                                single.evaluate(ds, verbose=0), rtol=1e-5)
-    assert mirrored._reductions.extras == ()
+    assert mirrored._step_state.reductions.extras == ()
     expected = single.fit(ds, epochs=2, verbose=0).history
     logs = mirrored.fit(ds, epochs=2, verbose=0).history
-    assert mirrored._reductions.extras == ("sum",)
+    assert mirrored._step_state.reductions.extras == ("sum",)
     assert max_diff(single.get_weights(), mirrored.get_weights()) < 1e-5
     _assert_same_logs(expected, logs)

@@ -81,7 +81,7 @@ def test_one_output_trains_as_one_device(cpus, reduction, replicas):
     mirrored, _, _ = _assert_as_one_device(
         lambda: _one_output(reduction), cpus, replicas)
     kind = {"none": "sum", MWS: "weighted_mean"}
-    assert mirrored._reductions.outputs == (kind[reduction],)
+    assert mirrored._step_state.reductions.outputs == (kind[reduction],)
 
 
 @pytest.mark.parametrize("reduction", [None, MWS])
