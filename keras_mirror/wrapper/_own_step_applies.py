@@ -15,6 +15,8 @@ import contextlib
 import keras
 import tensorflow as tf
 
+from keras_mirror import _compat
+
 
 def applied_variables(model, optimizers, batch):
     """{id(optimizer): its variables in the step's first `apply`}, for the
@@ -37,16 +39,13 @@ def _data(batch):
     return keras.utils.pack_x_y_sample_weight(x, y, sample_weight)
 
 
-@contextlib.contextmanager
 def _recording(optimizer, applied):
-    """`optimizer.apply` records its variables and applies nothing."""
+    """`optimizer.apply` records its variables and applies nothing (what
+    stood in its place before, keras-mirror's own, comes back after)."""
     def apply(grads, trainable_variables=None):
         if trainable_variables is not None:
             applied.setdefault(id(optimizer), list(trainable_variables))
         return optimizer.iterations
 
-    optimizer.apply = apply
-    try:
-        yield
-    finally:
-        del optimizer.apply
+    return _compat.replaced(optimizer, {"apply": apply},
+                            label="keras.optimizers.Optimizer")
