@@ -116,6 +116,9 @@ from keras_mirror._compat.keras_training import layers_within as layers_within
 from keras_mirror._compat.keras_training import loss_owners as loss_owners
 from keras_mirror._compat.keras_training import loss_tracker as loss_tracker
 from keras_mirror._compat.keras_training import (
+    compile_metrics as compile_metrics,
+)
+from keras_mirror._compat.keras_training import (
     output_loss_trackers as output_loss_trackers,
 )
 from keras_mirror._compat.keras_training import (

@@ -70,9 +70,9 @@ def _replace_method(obj, name, make_hook, purpose, owner=None):
 # Every Keras or TF attribute keras-mirror replaces goes through `replaced`
 # (or `_replace_method`, `note_replaced`), which names it `<owner>.<name>`:
 # a module's import name, or for an object the Keras class that defines the
-# attribute. `docs/architecture.md` lists them; `tests/compat/
-# test_replacements.py` records what a step replaces for several models and
-# checks that list against it.
+# attribute. `docs/architecture.md` lists them; `tests/compat/test_base.py`
+# records what `fit` replaces for several models and checks that list
+# against it.
 _RECORDS = []
 
 

@@ -47,6 +47,16 @@ def loss_tracker(model):
     return getattr(model, _LOSS_TRACKER, None)
 
 
+# The compiled metrics' container (`CompileMetrics`), one entry of
+# `model.metrics`; the built-in step updates it outside the replicas.
+_COMPILE_METRICS = "_compile_metrics"
+
+
+def compile_metrics(model):
+    """The `CompileMetrics` of `model.compile(metrics=...)`, or None."""
+    return getattr(model, _COMPILE_METRICS, None)
+
+
 # -- models with their own `train_step` (keras_mirror._custom_step) ---------
 
 # Inside a `tf.distribute` strategy, Keras divides every reduced loss by the
@@ -234,7 +244,7 @@ def output_loss_trackers(model):
 def has_compiled_loss_or_metrics(model):
     """Whether `model.compile` gave it a compiled loss or metrics."""
     return getattr(model, _COMPILE_LOSS, None) is not None or getattr(
-        model, "_compile_metrics", None) is not None
+        model, _COMPILE_METRICS, None) is not None
 
 
 # A compiled loss (`CompileLoss`) computes each output's term in a loop over

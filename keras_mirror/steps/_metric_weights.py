@@ -89,7 +89,7 @@ def updated_in_replicas(model, own_step):
     if own_step:
         return metrics
     outside = (_compat.loss_tracker(model),
-               getattr(model, "_compile_metrics", None))
+               _compat.compile_metrics(model))
     return [m for m in metrics if not any(m is o for o in outside)]
 
 

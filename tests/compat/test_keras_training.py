@@ -51,6 +51,16 @@ def test_loss_tracker_is_the_loss_mean():
     assert _compat.loss_tracker(keras.Sequential()) is None
 
 
+def test_compile_metrics_is_the_compiled_metrics_container():
+    model = keras.Sequential([keras.Input((2,)), keras.layers.Dense(1)])
+    model.compile(optimizer="sgd", loss="mse", metrics=["mae"])
+    model.fit(np.zeros((2, 2)), np.zeros((2, 1)), verbose=0)
+    container = _compat.compile_metrics(model)
+    assert isinstance(container, keras.metrics.Metric)
+    assert any(m is container for m in model.metrics)
+    assert _compat.compile_metrics(keras.Sequential()) is None
+
+
 def test_loss_scalers_exist_and_divide_by_replicas(cpus):
     module = _compat._loss_module()
     for name in _compat._LOSS_SCALERS:
