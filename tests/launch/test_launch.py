@@ -223,7 +223,6 @@ def test_mark_ready_outside_the_launcher_does_nothing(monkeypatch):
     assert launch_lib.mark_ready() is False
 
 
-@pytest.mark.timeout(90)
 def _launch_sleepers(log, worker, *options):
     """`keras-mirror launch -n 2` of two sleeping toy workers, once both
     sleep; its output goes to `log`."""
@@ -263,7 +262,7 @@ def test_sigterm_to_launcher_stops_its_workers(tmp_path):
 def test_real_multi_worker_strategy_marks_ready_and_all_reduces(capsys):
     code = launch_lib.launch(MWMS, 2, timeout=75, start_timeout=60)
     out, err = capsys.readouterr()
-    assert code == 0, err[-3000:]
+    assert code == 0, out[-2000:] + err[-8000:]
     assert "[launcher] all 2 worker(s) ready after" in err
     assert "[worker 0] all-reduce sum=2" in out
     assert "[worker 1] all-reduce sum=2" in out
