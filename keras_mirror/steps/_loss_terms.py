@@ -14,7 +14,9 @@ runs it.
 
 Random draws on the doubled batch repeat the batch's own (`_tiled_draws`):
 a Dropout mask of the doubled batch is the batch's mask twice, so that a
-sum exactly doubles and a mean keeps its value.
+sum exactly doubles and a mean keeps its value. A draw of `2 * rows * k`
+rows repeats its first half where its rows are example-major (a Reshape
+of the batch, `_row_order`): the doubled batch's rows come in that order.
 """
 
 import contextlib
@@ -24,6 +26,7 @@ import numpy as np
 import tensorflow as tf
 
 from keras_mirror import _compat
+from keras_mirror.steps import _row_order
 from keras_mirror.steps import _slicing
 
 
@@ -166,9 +169,18 @@ def _halved(shape):
     return [_lead(shape) // 2] + list(shape[1:])
 
 
+def _doubled(lead, rows, order):
+    """Whether a draw of `lead` rows is the doubled batch's: `2 * rows`, or
+    a multiple of it whose rows are example-major (`order()`)."""
+    if lead is None or lead == 0 or lead % (2 * rows):
+        return False
+    return lead == 2 * rows or order()[0] == _row_order.EXAMPLE_MAJOR
+
+
 def _tiling(original, rows):
     def shaped(shape, *args, **kwargs):
-        if _lead(shape) != 2 * rows:
+        if not _doubled(_lead(shape), rows,
+                        lambda: _row_order.of_shape(shape)):
             return original(shape, *args, **kwargs)
         half = original(_halved(shape), *args, **kwargs)
         return tf.concat([half, half], 0)
@@ -181,10 +193,12 @@ def _tiling_first_argument(original, rows):
     def by_rows(value, *args, **kwargs):
         value = tf.convert_to_tensor(value)
         if value.shape.rank is None or value.shape.rank == 0 or \
-                value.shape[0] != 2 * rows:
+                not _doubled(value.shape[0], rows,
+                             lambda: _row_order.of_rows(value)):
             return original(value, *args, **kwargs)
-        half = original(value[:rows], *_halved_noise(args, kwargs, rows),
-                        **kwargs)
+        half_rows = value.shape[0] // 2
+        half = original(value[:half_rows],
+                        *_halved_noise(args, kwargs, half_rows), **kwargs)
         return tf.concat([half, half], 0)
 
     return by_rows
