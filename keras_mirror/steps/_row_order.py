@@ -52,23 +52,24 @@ _CACHE = weakref.WeakKeyDictionary()
 def of_shape(shape):
     """`(kind, op type)` of a draw's `shape`: a rank-1 tensor or a
     sequence whose first element is a tensor. The op type is where the
-    reading stopped (for an `UNKNOWN` draw's warning), else None."""
+    reading stopped (for an `UNKNOWN` draw's warning; None where there is
+    no graph to read, as for a shape of numbers), else None."""
     if _eager(shape if tf.is_tensor(shape) else (shape or [None])[0]):
-        return STACKED, None
+        return UNKNOWN, None
     if tf.is_tensor(shape):
         found = _Reader(shape.graph).element(shape, 0, 0)
     elif isinstance(shape, (list, tuple)) and shape and tf.is_tensor(
             shape[0]):
         found = _Reader(shape[0].graph).scalar(shape[0], 0)
     else:
-        return STACKED, None
+        return UNKNOWN, None  # no graph to read
     return _public(found)
 
 
 def of_rows(tensor):
     """`(kind, op type)` of the rows of `tensor` (its leading dimension)."""
     if _eager(tensor):
-        return STACKED, None
+        return UNKNOWN, None
     return _public(_Reader(tensor.graph).rows(tensor, 0))
 
 
