@@ -10,10 +10,14 @@ traced, keras-mirror replaces the TF backend's shape-taking random functions
 of the draw one device makes for the global batch, with the same seed:
 
 - a leading dimension that is a tensor equal to `k * b_r` (k >= 1) is read
-  as `k` stacked blocks of the batch (a GAN's `concatenate([ones(b),
-  zeros(b)])` labels are `2 b_r` rows): the replica gets rows `j * B + o_r
-  ... j * B + o_r + b_r` of each block `j`, where `o_r` is its first row in
-  the global batch;
+  by how the graph made it (`_row_order`), `o_r` being the replica's first
+  row in the global batch: rows made by a Reshape of the batch (`(b, T,
+  d) -> (b * T, d)`) are example-major, and the replica gets the one run
+  of rows `o_r * k ... (o_r + b_r) * k`; otherwise they are `k` stacked
+  blocks of the batch (a GAN's `concatenate([ones(b), zeros(b)])` labels
+  are `2 b_r` rows), and it gets rows `j * B + o_r ... j * B + o_r + b_r`
+  of each block `j`. Rows whose making cannot be read are read as stacked
+  blocks, with a warning (`UNREAD_ORDER`) once per draw;
 - any other shape (static, or a leading dimension that is no multiple of the
   shard) is drawn as asked: a draw that does not depend on the batch is the
   same on every replica, as on one device.
@@ -26,7 +30,8 @@ samplers loop a data-dependent number of times per element): those are
 drawn for the global batch and the replica's rows gathered, exact but N
 times the work. `keras.random.categorical` of a shard's logits places them
 at their rows of a global batch of logits (each row's samples depend on
-the seed, the row's index and its own logits only).
+the seed, the row's index and its own logits only; example-major logits
+of `k` rows an example at their `k` rows each).
 
 Each draw advances the seed generator once, as on one device, so the
 generator's state after a step is one device's too. A draw without a

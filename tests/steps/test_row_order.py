@@ -264,3 +264,41 @@ def test_an_unread_row_order_warns_once(cpus):
             x, y = _data(12, (length, 4))
             mirrored.fit(x, y, batch_size=6, epochs=1, verbose=0)
     assert sum(UNREAD in str(w.message) for w in record) == 1
+
+
+class ReshapedDraws(keras.Model):
+    """A `predict_step` returning draws for `T` rows an example."""
+
+    def __init__(self):
+        super().__init__()
+        self.seed = keras.random.SeedGenerator(9)
+        self.dense = layers.Dense(D)
+
+    def call(self, x):
+        return self.dense(x)
+
+    def predict_step(self, data):
+        x = data[0] if isinstance(data, tuple) else data
+        rows = ops.reshape(self(x), (-1, D))               # (b * T, D)
+        noise = keras.random.uniform(ops.shape(rows), seed=self.seed)
+        picks = keras.random.categorical(rows, 2, seed=self.seed)
+        return {"noise": ops.reshape(noise, (-1, T * D)),
+                "picks": ops.reshape(ops.cast(picks, "float32"), (-1, 2 * T))}
+
+
+def test_reshaped_draws_are_one_devices_rows(cpus):
+    """Uniform and categorical draws of reshaped rows, bit for bit, on 4
+    replicas (batches 10, 10, 3: an empty shard)."""
+    x = np.random.default_rng(5).normal(size=(23, T, 4)).astype("float32")
+
+    def draws(wrap):
+        keras.utils.set_random_seed(0)
+        model = ReshapedDraws()
+        model(x[:1])
+        target = keras_mirror.MirroredModel(model, devices=cpus) \
+            if wrap else model
+        return target.predict(x, batch_size=10, verbose=0)
+
+    one, many = draws(False), draws(True)
+    for key in one:
+        np.testing.assert_array_equal(many[key], one[key], err_msg=key)
