@@ -54,16 +54,13 @@ def of_shape(shape):
     sequence whose first element is a tensor. The op type is where the
     reading stopped (for an `UNKNOWN` draw's warning; None where there is
     no graph to read, as for a shape of numbers), else None."""
-    if _eager(shape if tf.is_tensor(shape) else (shape or [None])[0]):
+    listed = isinstance(shape, (list, tuple))
+    lead = (shape[0] if shape else None) if listed else shape
+    if not tf.is_tensor(lead) or _eager(lead):
         return UNKNOWN, None
-    if tf.is_tensor(shape):
-        found = _Reader(shape.graph).element(shape, 0, 0)
-    elif isinstance(shape, (list, tuple)) and shape and tf.is_tensor(
-            shape[0]):
-        found = _Reader(shape[0].graph).scalar(shape[0], 0)
-    else:
-        return UNKNOWN, None  # no graph to read
-    return _public(found)
+    reader = _Reader(lead.graph)
+    return _public(reader.scalar(lead, 0) if listed
+                   else reader.element(lead, 0, 0))
 
 
 def of_rows(tensor):
@@ -101,8 +98,7 @@ class _Reader:
                 found = self.memo[t.name]
                 break
             chain.append(t.name)
-            op = t.op
-            found, follow = self._step(op, t, depth)
+            found, follow = self._step(t.op, depth)
             if follow is None:
                 break
             t = follow
@@ -110,7 +106,7 @@ class _Reader:
             self.memo[ref] = found
         return found
 
-    def _step(self, op, t, depth):
+    def _step(self, op, depth):
         """`(reading, None)` where `op` decides, else `(None, its input
         that holds the same rows)`."""
         kind = op.type
