@@ -14,7 +14,12 @@ runs it.
 
 Random draws on the doubled batch repeat the batch's own (`_tiled_draws`):
 a Dropout mask of the doubled batch is the batch's mask twice, so that a
-sum exactly doubles and a mean keeps its value.
+sum exactly doubles and a mean keeps its value. A draw of `2 * rows * k`
+rows repeats the batch's draw of `rows * k` rows in the doubled batch's
+order (`_row_order`): its halves where the rows are example-major (a
+Reshape of the batch) or cannot be read (a constant shape, as the probe's
+static shapes make: in a model's forward pass, stacked blocks of the
+batch are rare), each block of `rows` rows twice where they are stacked.
 """
 
 import contextlib
@@ -24,6 +29,7 @@ import numpy as np
 import tensorflow as tf
 
 from keras_mirror import _compat
+from keras_mirror.steps import _row_order
 from keras_mirror.steps import _slicing
 
 
@@ -166,12 +172,45 @@ def _halved(shape):
     return [_lead(shape) // 2] + list(shape[1:])
 
 
+def _doubled(lead, rows, order):
+    """Whether a draw of `lead` rows is the doubled batch's (`2 * rows * k`
+    rows): None if not, else whether its rows are stacked (`order()`)."""
+    if lead is None or lead == 0 or lead % (2 * rows):
+        return None
+    return lead > 2 * rows and order()[0] == _row_order.STACKED
+
+
+def _repeated(half, stacked, rows):
+    """The doubled batch's draw from the batch's `half`: twice over, or
+    each stacked block of `rows` rows twice."""
+    if not stacked:
+        return tf.concat([half, half], 0)
+    rest = tf.shape(half)[1:]
+    blocks = tf.reshape(half, tf.concat([[-1, rows], rest], 0))
+    out = tf.reshape(tf.concat([blocks, blocks], 1),
+                     tf.concat([[-1], rest], 0))
+    out.set_shape([2 * half.shape[0]] + half.shape[1:])
+    return out
+
+
+def _firsts(value, rows):
+    """The batch's own rows of a doubled batch's stacked blocks: the first
+    block of each pair."""
+    rest = tf.shape(value)[1:]
+    pairs = tf.reshape(value, tf.concat([[-1, 2, rows], rest], 0))
+    out = tf.reshape(pairs[:, 0], tf.concat([[-1], rest], 0))
+    out.set_shape([value.shape[0] // 2] + value.shape[1:])
+    return out
+
+
 def _tiling(original, rows):
     def shaped(shape, *args, **kwargs):
-        if _lead(shape) != 2 * rows:
+        stacked = _doubled(_lead(shape), rows,
+                           lambda: _row_order.of_shape(shape))
+        if stacked is None:
             return original(shape, *args, **kwargs)
         half = original(_halved(shape), *args, **kwargs)
-        return tf.concat([half, half], 0)
+        return _repeated(half, stacked, rows)
 
     return shaped
 
@@ -180,12 +219,14 @@ def _tiling_first_argument(original, rows):
     """`dropout(inputs, ...)`, `categorical(logits, ...)`: by their rows."""
     def by_rows(value, *args, **kwargs):
         value = tf.convert_to_tensor(value)
-        if value.shape.rank is None or value.shape.rank == 0 or \
-                value.shape[0] != 2 * rows:
+        stacked = None if value.shape.rank in (None, 0) else _doubled(
+            value.shape[0], rows, lambda: _row_order.of_rows(value))
+        if stacked is None:
             return original(value, *args, **kwargs)
-        half = original(value[:rows], *_halved_noise(args, kwargs, rows),
-                        **kwargs)
-        return tf.concat([half, half], 0)
+        half_rows = value.shape[0] // 2
+        half = original(_firsts(value, rows) if stacked else value[:half_rows],
+                        *_halved_noise(args, kwargs, half_rows), **kwargs)
+        return _repeated(half, stacked, rows)
 
     return by_rows
 

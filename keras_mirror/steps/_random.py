@@ -10,10 +10,14 @@ traced, keras-mirror replaces the TF backend's shape-taking random functions
 of the draw one device makes for the global batch, with the same seed:
 
 - a leading dimension that is a tensor equal to `k * b_r` (k >= 1) is read
-  as `k` stacked blocks of the batch (a GAN's `concatenate([ones(b),
-  zeros(b)])` labels are `2 b_r` rows): the replica gets rows `j * B + o_r
-  ... j * B + o_r + b_r` of each block `j`, where `o_r` is its first row in
-  the global batch;
+  by how the graph made it (`_row_order`), `o_r` being the replica's first
+  row in the global batch: rows made by a Reshape of the batch (`(b, T,
+  d) -> (b * T, d)`) are example-major, and the replica gets the one run
+  of rows `o_r * k ... (o_r + b_r) * k`; otherwise they are `k` stacked
+  blocks of the batch (a GAN's `concatenate([ones(b), zeros(b)])` labels
+  are `2 b_r` rows), and it gets rows `j * B + o_r ... j * B + o_r + b_r`
+  of each block `j`. Rows whose making cannot be read are read as stacked
+  blocks, with a warning (`UNREAD_ORDER`) once per draw;
 - any other shape (static, or a leading dimension that is no multiple of the
   shard) is drawn as asked: a draw that does not depend on the batch is the
   same on every replica, as on one device.
@@ -26,7 +30,8 @@ samplers loop a data-dependent number of times per element): those are
 drawn for the global batch and the replica's rows gathered, exact but N
 times the work. `keras.random.categorical` of a shard's logits places them
 at their rows of a global batch of logits (each row's samples depend on
-the seed, the row's index and its own logits only).
+the seed, the row's index and its own logits only; example-major logits
+of `k` rows an example at their `k` rows each).
 
 Each draw advances the seed generator once, as on one device, so the
 generator's state after a step is one device's too. A draw without a
@@ -39,6 +44,7 @@ without a seed generator), which draw per replica.
 """
 
 import contextlib
+import warnings
 
 import keras
 import tensorflow as tf
@@ -46,6 +52,7 @@ import tensorflow as tf
 from keras_mirror import _compat
 from keras_mirror.replica_context import active
 from keras_mirror.steps import _philox
+from keras_mirror.steps import _row_order
 
 
 class _Drawn:
@@ -98,7 +105,7 @@ def _run_rows(ctx, real):
     return real if run is None else tf.cast(run, tf.int32)
 
 
-def _rows(draw, shape, ctx, rows_at=None):
+def _rows(draw, shape, ctx, rows_at=None, order=None):
     """`draw(shape)`, with the global batch's rows when shaped like a shard.
 
     `rows_at(offset, count, rest)`, when given, draws rows `[offset, offset
@@ -106,11 +113,13 @@ def _rows(draw, shape, ctx, rows_at=None):
     each replica then generates its own rows only. Without it the draw is
     made for the global batch and the replica's rows are gathered (also in
     an XLA-compiled step, where sizes must be known when it compiles).
+    `order(shape)`: how the rows are ordered (`_row_order`).
     """
     split = _split_shape(shape)
     if split is None:
         return draw(shape)
     lead, rest = split
+    major = order is not None and order(shape) == _row_order.EXAMPLE_MAJOR
     real = tf.cast(ctx.shard_size, tf.int32)
     # A padded shard (`_stand_in.bounds`) runs `b` rows: its `real` ones,
     # then stand-in rows, which get the draws of the rows after them.
@@ -120,11 +129,14 @@ def _rows(draw, shape, ctx, rows_at=None):
     safe_b = tf.maximum(b, 1)
     blocks = lead // safe_b
     exact = (real > 0) & (lead > 0) & (tf.math.floormod(lead, safe_b) == 0)
+    # Example-major: one run of `blocks` rows per example; stacked: `blocks`
+    # runs (blocks of the batch) of one row per example.
+    per, runs = (blocks, 1) if major else (1, blocks)
 
     def global_rows():
         full = draw(tf.concat([[blocks * big_b], rest], 0))
-        index = tf.reshape(tf.range(blocks)[:, None] * big_b + offset
-                           + tf.range(b)[None, :], [-1])
+        index = tf.reshape(tf.range(runs)[:, None] * big_b * per
+                           + offset * per + tf.range(b * per)[None, :], [-1])
         return tf.gather(full, tf.minimum(index, blocks * big_b - 1))
 
     def as_asked():
@@ -134,6 +146,9 @@ def _rows(draw, shape, ctx, rows_at=None):
     # are values of the plan, so a compiled step gathers its rows.
     if rows_at is None or getattr(ctx, "_compiled", False):
         out = tf.cond(exact, global_rows, as_asked)
+    elif major:
+        out = rows_at(tf.where(exact, offset * per, 0),
+                      tf.where(exact, b * per, lead), rest)
     else:
         out = _own_rows(rows_at, exact, offset, b, big_b, lead, blocks, rest)
     out.set_shape(_static(shape))
@@ -141,7 +156,8 @@ def _rows(draw, shape, ctx, rows_at=None):
 
 
 def _own_rows(rows_at, exact, offset, b, big_b, lead, blocks, rest):
-    """This replica's rows of the draw, generated alone (`_philox`).
+    """This replica's rows of a draw of stacked blocks, generated alone
+    (`_philox`).
 
     The first block takes no branch: it is rows `[offset, offset + b)` of
     the global draw where the shape is the shard's, else rows `[0, lead)`,
@@ -166,6 +182,31 @@ def _own_rows(rows_at, exact, offset, b, big_b, lead, blocks, rest):
                        experimental_attributes={"_noinline": True})
     return tf.cond(exact & (blocks > 1),
                    lambda: tf.concat([first, more()], 0), lambda: first)
+
+
+UNREAD_ORDER = (
+    "keras-mirror cannot read how the rows of the `keras.random.{name}` "
+    "draw in the replica step were made (its leading dimension comes from "
+    "a `{where}` op), so it reads them as stacked blocks of the batch, as "
+    "a GAN's `concatenate([real, fake])`: where they are ordered otherwise "
+    "the draw differs from one device's. Take the draw's shape from the "
+    "tensor it applies to, e.g. `ops.shape(x)` of a Reshape of the batch "
+    "(see docs/exactness.md, \"Randomness\"). Received: draw `{name}` with "
+    "its leading dimension from `{where}`")
+
+
+def _orders(first_time):
+    """`order(shape, name)`: the draw's row order (`_row_order`), warning
+    once per draw and op where it cannot be read (`first_time`)."""
+    def order(shape, name):
+        kind, where = _row_order.of_shape(shape)
+        if kind == _row_order.UNKNOWN and first_time(
+                "unread row order", (name, where)):
+            warnings.warn(UNREAD_ORDER.format(name=name, where=where),
+                          UserWarning, stacklevel=2)
+        return kind
+
+    return order
 
 
 def _rows_at(name, module, seed, args, kwargs):
@@ -225,7 +266,7 @@ _STANDARD = {
 }
 
 
-def _replacements(module):
+def _replacements(module, order):
     originals = {name: getattr(module, name)
                  for name in _compat.RANDOM_FUNCTIONS + ("draw_seed",)}
 
@@ -252,7 +293,7 @@ def _replacements(module):
             drawn = _Drawn(draw_seed(seed))
             rows_at = _rows_at(name, module, drawn.value, args, kwargs)
             return _rows(lambda s: original(s, *args, seed=drawn, **kwargs),
-                         shape, ctx, rows_at)
+                         shape, ctx, rows_at, lambda s: order(s, name))
 
         fn.__name__ = name
         return fn
@@ -281,7 +322,8 @@ def _replacements(module):
                                                   dtype=inputs.dtype),
             shape, ctx,
             lambda o, b, rest: _philox.rows("uniform", seed, o, b, rest,
-                                            inputs.dtype))
+                                            inputs.dtype),
+            lambda s: order(s, "dropout"))
         scale = tf.convert_to_tensor(1 / (1 - rate), dtype=inputs.dtype)
         return tf.where(uniform >= rate, inputs * scale,
                         tf.zeros((), inputs.dtype))
@@ -293,7 +335,8 @@ def _replacements(module):
                                             seed=seed)
         # Each row's samples depend on the seed, its row index and its own
         # logits only: the shard's logits, placed at its rows of a global
-        # batch of logits, sample one device's numbers.
+        # batch of logits, sample one device's numbers. Example-major
+        # logits (`(b * T, vocab)`, `_row_order`) hold `per` rows an example.
         drawn = _Drawn(draw_seed(seed))
         logits = tf.convert_to_tensor(logits)
         b = tf.cast(ctx.shard_size, tf.int32)
@@ -306,17 +349,22 @@ def _replacements(module):
 
         run = _run_rows(ctx, b)
 
-        def global_rows():
-            # A padded shard's stand-in rows sample zeros (never used).
-            padded = tf.pad(logits[:b],
-                            [[offset, big_b - offset - b], [0, 0]])
-            out = draw(padded)[offset:offset + b]
-            return tf.pad(out, [[0, run - b], [0, 0]])
-
         if logits.shape.rank != 2:
             return draw(logits)
-        return tf.cond(tf.equal(tf.shape(logits)[0], run) & (b > 0),
-                       global_rows, lambda: draw(logits))
+        rows = tf.shape(logits)[0]
+        per = 1
+        if _row_order.of_rows(logits)[0] == _row_order.EXAMPLE_MAJOR:
+            per = tf.maximum(rows // tf.maximum(run, 1), 1)
+
+        def global_rows():
+            # A padded shard's stand-in rows sample zeros (never used).
+            padded = tf.pad(logits[:b * per], [
+                [offset * per, (big_b - offset - b) * per], [0, 0]])
+            out = draw(padded)[offset * per:(offset + b) * per]
+            return tf.pad(out, [[0, (run - b) * per], [0, 0]])
+
+        return tf.cond(tf.equal(rows, run * per) & (b > 0), global_rows,
+                       lambda: draw(logits))
 
     def shuffle(x, axis=0, seed=None):
         ctx = _context()
@@ -338,8 +386,13 @@ def _replacements(module):
 
 
 @contextlib.contextmanager
-def exact_draws():
-    """Within the block, replica steps draw one device's random numbers."""
+def exact_draws(first_time):
+    """Within the block, replica steps draw one device's random numbers.
+
+    `first_time(what, reason)`: whether a warning is new (the wrapper's
+    `StepState.first_time`: each is said once per wrapper).
+    """
     module = _compat.random_module()
-    with _compat.replaced(module, _replacements(module)):
+    with _compat.replaced(module, _replacements(module,
+                                                _orders(first_time))):
         yield

@@ -42,7 +42,8 @@ def replica_scope(mirrored, own_step=False):
     version = graph.version
     with contextlib.ExitStack() as stack:
         stack.enter_context(_compat.unscaled_losses())
-        stack.enter_context(_random.exact_draws())
+        stack.enter_context(_random.exact_draws(
+            mirrored._step_state.first_time))
         stack.enter_context(_metric_weights.replica_weights(
             mirrored._inner, sums, own_step=own_step))
         if layers.synchronized:

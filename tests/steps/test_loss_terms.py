@@ -83,3 +83,37 @@ def test_the_doubled_batch_draws_the_batch_s_numbers_twice():
     np.testing.assert_allclose(twice.outputs[0][1], 2 * grad, rtol=1e-5,
                                atol=1e-6)
     assert np.linalg.norm(grad) > 0
+
+
+class _RowDraws(keras.layers.Layer):
+    """Draws for `k` rows an example: a Reshape of the batch (example-major,
+    a constant shape in the probe's static graph), and stacked blocks of
+    it (`concatenate([h, -h])`) for Dropout."""
+
+    def __init__(self, **kwargs):
+        super().__init__(**kwargs)
+        self.seed = keras.random.SeedGenerator(5)
+
+    def call(self, x, training=False):
+        rows = keras.ops.reshape(x, (-1, 2))              # (b * 4, 2)
+        rows = rows + keras.random.normal(tf.shape(rows), seed=self.seed)
+        h = keras.ops.reshape(rows, (-1, 8))
+        both = keras.random.dropout(keras.ops.concatenate([h, -h]), 0.5,
+                                    seed=self.seed)
+        b = keras.ops.shape(h)[0]
+        return both[:b] - both[b:]
+
+
+def test_draws_of_several_rows_an_example_repeat_in_their_order():
+    """Example-major rows repeat their halves, stacked blocks each block:
+    the doubled batch's sum is twice the batch's (a fresh draw was not)."""
+    keras.utils.set_random_seed(0)
+    model = keras.Sequential([keras.Input((3,)), keras.layers.Dense(8),
+                              _RowDraws(), keras.layers.Dense(2)])
+    model.compile(optimizer="sgd", loss=_SumOfDropped())
+    model.train_on_batch(*_batch()[:2])
+    once, twice = _loss_terms.evaluate(model, _batch())
+    value, grad = once.outputs[0]
+    np.testing.assert_allclose(twice.outputs[0][0], 2 * value, rtol=1e-6)
+    np.testing.assert_allclose(twice.outputs[0][1], 2 * grad, rtol=1e-5,
+                               atol=1e-6)
