@@ -100,6 +100,9 @@ from keras_mirror._compat.keras_training import (
 )
 from keras_mirror._compat.keras_training import _loss_module as _loss_module
 from keras_mirror._compat.keras_training import (
+    compile_metrics as compile_metrics,
+)
+from keras_mirror._compat.keras_training import (
     disable_optimizer_allreduce as disable_optimizer_allreduce,
 )
 from keras_mirror._compat.keras_training import (
@@ -115,9 +118,6 @@ from keras_mirror._compat.keras_training import (
 from keras_mirror._compat.keras_training import layers_within as layers_within
 from keras_mirror._compat.keras_training import loss_owners as loss_owners
 from keras_mirror._compat.keras_training import loss_tracker as loss_tracker
-from keras_mirror._compat.keras_training import (
-    compile_metrics as compile_metrics,
-)
 from keras_mirror._compat.keras_training import (
     output_loss_trackers as output_loss_trackers,
 )
