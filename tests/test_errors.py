@@ -321,6 +321,13 @@ CASES = {
         lambda cpus: keras_mirror.MirroredModel(_seq(), devices="/cpu:0"),
         errors.DeviceError,
         r"`devices` must be a list.*Received: devices='/cpu:0'"),
+    "devices_not_a_name": Case(
+        "devices", "[0] (an index, not a name)",
+        lambda cpus: keras_mirror.MirroredModel(_seq(), devices=[0]),
+        errors.DeviceError,
+        r"Each entry of `devices` must be a device name \(a string, such "
+        r"as '/gpu:0'\) or a `tf\.config\.LogicalDevice`\. "
+        r"Received: devices=\[0\]"),
     "devices_no_index": Case(
         "devices", "['/cpu']",
         lambda cpus: keras_mirror.MirroredModel(_seq(), devices=["/cpu"]),

@@ -142,10 +142,15 @@ def resolve_devices(devices):
             "`devices` must name at least one device. "
             f"Received: devices={devices!r}"
         )
+    # `tf.config.list_logical_devices("GPU")` gives `LogicalDevice`s: their
+    # names are the device names.
+    devices = [d.name if isinstance(d, tf.config.LogicalDevice) else d
+               for d in devices]
     for d in devices:
         if not isinstance(d, str):
             raise errors.DeviceError(
-                "Each entry of `devices` must be a string. "
+                "Each entry of `devices` must be a device name (a string, "
+                "such as '/gpu:0') or a `tf.config.LogicalDevice`. "
                 f"Received: devices={devices!r}"
             )
     by_suffix = {

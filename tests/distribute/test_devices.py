@@ -22,6 +22,8 @@ def test_logical_cpus_is_idempotent_and_refuses_another_count(cpus):
 def test_resolve_devices(cpus):
     assert devices.resolve_devices(None) == cpus
     assert devices.resolve_devices(["/cpu:2", "CPU:0"]) == [cpus[2], cpus[0]]
+    logical = tf.config.list_logical_devices("CPU")
+    assert devices.resolve_devices(logical[1:3]) == cpus[1:3]
     with pytest.raises(ValueError, match=r"Received: devices=\[\]"):
         devices.resolve_devices([])
     with pytest.raises(ValueError, match="unknown device '/gpu:0'"):
