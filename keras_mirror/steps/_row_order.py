@@ -14,8 +14,13 @@ that made the leading dimension (`tensor.op`, `op.inputs`,
   concat or tile along axis 0, or a leading dimension `k * b` written by
   hand (a GAN's `concatenate([real, fake])` and `(2 * b, 1)` labels):
   block `j` holds rows `j * B + o_r ... j * B + o_r + b_r`;
-- `UNKNOWN`: anything else (a Transpose that moves the batch from axis 0,
-  a Reshape of stacked blocks, shape arithmetic it cannot read).
+- `UNKNOWN`: anything else (a Reshape of a time-major tensor, a Reshape
+  of stacked blocks, shape arithmetic it cannot read).
+
+Rows that are another dimension of a tensor are followed through a
+Transpose and a slice taking one index of the leading dimensions: Keras's
+`TimeDistributed` steps over `transpose(x)[t]`, whose rows are the
+batch's.
 
 Ops that keep the rows (elementwise, MatMul, BiasAdd, a convolution, a
 Reshape that keeps the leading dimension, as `tf.tensordot`'s) are walked
@@ -89,26 +94,54 @@ class _Reader:
     def __init__(self, graph):
         self.memo = _CACHE.setdefault(graph, {})
 
-    def rows(self, t, depth):
-        """How `t`'s rows were made, walked back through the ops that keep
-        them (iteratively: a network is a long chain)."""
+    def rows(self, t, depth, axis=0):
+        """How `t`'s rows (its dimension `axis`) were made, walked back
+        through the ops that keep them (iteratively: a network is a long
+        chain)."""
         chain = []
         while True:
-            if t.name in self.memo:
-                found = self.memo[t.name]
+            key = f"{t.name}@{axis}"
+            if key in self.memo:
+                found = self.memo[key]
                 break
-            chain.append(t.name)
-            found, follow = self._step(t.op, depth)
+            chain.append(key)
+            found, follow = (self._step(t.op, depth) if axis == 0 else
+                             self._moved(t.op, axis, depth))
             if follow is None:
                 break
-            t = follow
+            t, axis = follow if isinstance(follow, tuple) else (follow, 0)
         for ref in chain:
             self.memo[ref] = found
         return found
 
+    def _moved(self, op, axis, depth):
+        """`_step` for rows that are dimension `axis` > 0 of `op`'s output
+        (Keras's `TimeDistributed` steps over `transpose(x)[i]`): followed
+        through a Transpose, a slice that takes one index of the leading
+        dimensions and ops that keep every dimension; their origin is the
+        batch's only where they are its leading dimension."""
+        kind = op.type
+        if depth > _MAX_DEPTH:
+            return (UNKNOWN, kind), None
+        if kind == "Transpose":
+            perm = _static(op.inputs[1])
+            if perm:
+                return None, (op.inputs[0], perm[axis])
+        elif kind == "StridedSlice":
+            leading = _shrunk_leading(op)
+            if leading is not None:
+                return None, (op.inputs[0], axis + leading)
+        elif kind not in _ORIGINS and kind != "Reshape":
+            follow = _same_rows(op)
+            if follow is not None and follow.shape.rank == \
+                    op.outputs[0].shape.rank:
+                return None, (follow, axis)
+        return (UNKNOWN, kind), None
+
     def _step(self, op, depth):
         """`(reading, None)` where `op` decides, else `(None, its input
-        that holds the same rows)`."""
+        that holds the same rows)`, or `(None, (input, axis))` where they
+        are its dimension `axis`."""
         kind = op.type
         if depth > _MAX_DEPTH:
             return (UNKNOWN, kind), None
@@ -132,8 +165,13 @@ class _Reader:
                 None, op.inputs[0])
         if kind == "Transpose":
             perm = _static(op.inputs[1])
-            return ((UNKNOWN, kind), None) if not perm or perm[0] != 0 else (
-                None, op.inputs[0])
+            if not perm:
+                return (UNKNOWN, kind), None
+            return None, (op.inputs[0], perm[0])
+        if kind == "StridedSlice":
+            leading = _shrunk_leading(op)
+            if leading:
+                return None, (op.inputs[0], leading)
         if kind in ("GatherV2", "ResourceGather"):
             axis = _static(op.inputs[2]) if kind == "GatherV2" else 0
             return None, op.inputs[1] if axis == 0 else op.inputs[0]
@@ -233,6 +271,27 @@ def _static_at(v, i):
     if value is None and v.op.type == "Pack":
         return _static(v.op.inputs[i])
     return None if value is None else value[i]
+
+
+def _shrunk_leading(op):
+    """How many leading dimensions the StridedSlice `op` takes one index
+    of (`x[i]`, `x[i, j]`), with every later dimension whole; None where
+    it slices otherwise."""
+    if op.get_attr("ellipsis_mask") or op.get_attr("new_axis_mask"):
+        return None
+    shrink = op.get_attr("shrink_axis_mask")
+    leading = 0
+    while shrink & (1 << leading):
+        leading += 1
+    if shrink >> leading:
+        return None
+    begin, strides = _static(op.inputs[1]), _static(op.inputs[3])
+    if begin is None or strides is None or any(
+            strides[d] != 1 or not (op.get_attr("end_mask") >> d & 1) or
+            not (op.get_attr("begin_mask") >> d & 1 or begin[d] == 0)
+            for d in range(leading, len(begin))):
+        return None
+    return leading
 
 
 def _same_rows(op):

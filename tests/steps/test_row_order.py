@@ -155,6 +155,24 @@ def test_stacked_gan_draws_train_as_on_one_device(cpus):
     assert _diff(_gan, cpus, 22, 7, shape=(6,)) < TOL
 
 
+def _time_distributed(jit=False):
+    keras.utils.set_random_seed(5)
+    model = keras.Sequential([
+        keras.Input((T, 4)), layers.TimeDistributed(layers.Dropout(0.4)),
+        layers.TimeDistributed(layers.Dense(D)), layers.Flatten(),
+        layers.Dense(1)])
+    model.compile("sgd", "mse", jit_compile=jit)
+    return model
+
+
+@pytest.mark.parametrize("n,rows,batch", RUNS)
+def test_time_distributed_dropout_trains_as_on_one_device(cpus, n, rows,
+                                                          batch):
+    """Keras's `TimeDistributed` draws for `transpose(x)[t]`, the batch's
+    rows at one time step: was refused as unread (a Transpose)."""
+    assert _diff(_time_distributed, cpus[:n], rows, batch) < TOL
+
+
 def test_reshape_then_dropout_under_xla_trains_as_on_one_device(cpus):
     """The compiled step gathers its run of one device's rows: was 8.8e-3
     (4 replicas, an empty shard)."""
@@ -198,6 +216,9 @@ class Orders(keras.Model):
             "stacked_reshaped": tf.shape(tf.reshape(
                 ops.concatenate([h, h]), (-1, D))),
             "by_hand": (b * tf.shape(x)[1], D),
+            # `TimeDistributed`'s step: one time step of the batch's rows.
+            "time_step": tf.shape(tf.transpose(h, [1, 0, 2])[1]),
+            "time_slice": tf.shape(tf.transpose(h, [1, 0, 2])[1:]),
         }
         for key, shape in shapes.items():
             Orders.seen[key] = _row_order.of_shape(shape)
@@ -220,9 +241,11 @@ def test_the_replica_step_reads_each_draws_row_order(cpus):
         "concatenated": (stacked, None),
         "two_b": (stacked, None),
         "tiled": (stacked, None),
-        "time_major": (unknown, "Transpose"),
+        "time_major": (unknown, "Reshape"),   # of a time-major tensor
         "stacked_reshaped": (unknown, "Reshape"),
         "by_hand": (unknown, "Mul"),     # T dynamic: `b * T` unread
+        "time_step": (stacked, None),
+        "time_slice": (unknown, "Reshape"),
         "rows": (major, None),
     }
 
