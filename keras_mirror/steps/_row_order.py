@@ -131,6 +131,14 @@ class _Reader:
             leading = _shrunk_leading(op)
             if leading is not None:
                 return None, (op.inputs[0], axis + leading)
+        elif kind in _INSERTS_AXIS:
+            follow = _inserted(op, axis)
+            if follow is not None:
+                return None, follow
+        elif kind == "TensorListStack" and axis == 1:
+            # A loop's outputs stacked over its steps (Keras's RNNs, time
+            # major): each step's rows start there, as a loop's do.
+            return (_ROWS, None), None
         elif kind not in _ORIGINS and kind != "Reshape":
             follow = _same_rows(op)
             if follow is not None and follow.shape.rank == \
@@ -172,6 +180,10 @@ class _Reader:
             leading = _shrunk_leading(op)
             if leading:
                 return None, (op.inputs[0], leading)
+        if kind in _INSERTS_AXIS:
+            follow = _inserted(op, 0)
+            return ((UNKNOWN, kind), None) if follow is None else (
+                None, follow)
         if kind in ("GatherV2", "ResourceGather"):
             axis = _static(op.inputs[2]) if kind == "GatherV2" else 0
             return None, op.inputs[1] if axis == 0 else op.inputs[0]
@@ -271,6 +283,28 @@ def _static_at(v, i):
     if value is None and v.op.type == "Pack":
         return _static(v.op.inputs[i])
     return None if value is None else value[i]
+
+
+# Ops whose output has one dimension more than their input, at `axis`.
+_INSERTS_AXIS = ("Pack", "ExpandDims")
+
+
+def _inserted(op, axis):
+    """`(input, its dimension)` that dimension `axis` of a Pack's (a
+    `TimeDistributed`'s `stack` of its steps) or ExpandDims's output is;
+    None for the inserted dimension itself."""
+    rank = op.outputs[0].shape.rank
+    if op.type == "Pack":
+        where = op.get_attr("axis")
+    else:
+        where = _static(op.inputs[1])
+        where = where[0] if isinstance(where, list) and where else where
+    if rank is None or where is None:
+        return None
+    where %= rank
+    if axis == where:
+        return None
+    return op.inputs[0], axis if axis < where else axis - 1
 
 
 def _shrunk_leading(op):

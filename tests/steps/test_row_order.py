@@ -173,6 +173,25 @@ def test_time_distributed_dropout_trains_as_on_one_device(cpus, n, rows,
     assert _diff(_time_distributed, cpus[:n], rows, batch) < TOL
 
 
+def _recurrent(jit=False):
+    keras.utils.set_random_seed(5)
+    model = keras.Sequential([
+        keras.Input((T, 4)),
+        layers.Bidirectional(layers.LSTM(4, dropout=0.2, return_sequences=True,
+                                         recurrent_dropout=0.1)),
+        layers.TimeDistributed(layers.Dense(D)), layers.GaussianDropout(0.1),
+        layers.GRU(4, dropout=0.2), layers.Dense(1)])
+    model.compile("sgd", "mse", jit_compile=jit)
+    return model
+
+
+def test_recurrent_layers_draw_as_on_one_device_without_a_warning(cpus):
+    """Dropout of an RNN's time-major stacked outputs (a TensorList) and
+    of `TimeDistributed`'s stacked steps: their rows are read, no warning
+    (`_diff` fails on one)."""
+    assert _diff(_recurrent, cpus, 22, 7) < TOL
+
+
 def test_reshape_then_dropout_under_xla_trains_as_on_one_device(cpus):
     """The compiled step gathers its run of one device's rows: was 8.8e-3
     (4 replicas, an empty shard)."""
@@ -219,6 +238,11 @@ class Orders(keras.Model):
             # `TimeDistributed`'s step: one time step of the batch's rows.
             "time_step": tf.shape(tf.transpose(h, [1, 0, 2])[1]),
             "time_slice": tf.shape(tf.transpose(h, [1, 0, 2])[1:]),
+            # Its static-length output: the steps stacked, transposed back.
+            "steps_stacked": tf.shape(tf.transpose(
+                tf.stack([h[:, 0], h[:, 1]]), [1, 0, 2])),
+            "expanded": tf.shape(tf.transpose(
+                tf.expand_dims(h, 0), [2, 1, 0, 3])[0]),
         }
         for key, shape in shapes.items():
             Orders.seen[key] = _row_order.of_shape(shape)
@@ -246,6 +270,8 @@ def test_the_replica_step_reads_each_draws_row_order(cpus):
         "by_hand": (unknown, "Mul"),     # T dynamic: `b * T` unread
         "time_step": (stacked, None),
         "time_slice": (unknown, "Reshape"),
+        "steps_stacked": (stacked, None),
+        "expanded": (stacked, None),   # one time step: the batch's rows
         "rows": (major, None),
     }
 
