@@ -67,7 +67,7 @@ def test_sigterm_outside_the_steps_is_not_lost(tmp_path, capsys, phase,
     assert code == 0, out + err
     for i in (0, 1):
         assert (f"[worker {i}] keras-mirror: preempted (SIGTERM to a "
-                f"worker): every worker stopped {stopped};") in err
+                f"worker): every worker stopped {stopped};") in err, err
     assert "restarting all workers after the preemption" in err
     assert f"StepBackup resumes at {resumed}" in out
     gap = assert_equal_single_device(tmp_path)
