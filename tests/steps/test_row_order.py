@@ -169,7 +169,8 @@ def _time_distributed(jit=False):
 def test_time_distributed_dropout_trains_as_on_one_device(cpus, n, rows,
                                                           batch):
     """Keras's `TimeDistributed` draws for `transpose(x)[t]`, the batch's
-    rows at one time step: was refused as unread (a Transpose)."""
+    rows at one time step: read through the Transpose, no warning (`_diff`
+    fails on one; before, it warned of an unread Transpose)."""
     assert _diff(_time_distributed, cpus[:n], rows, batch) < TOL
 
 
