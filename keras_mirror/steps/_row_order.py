@@ -115,11 +115,13 @@ class _Reader:
         return found
 
     def _moved(self, op, axis, depth):
-        """`_step` for rows that are dimension `axis` > 0 of `op`'s output
-        (Keras's `TimeDistributed` steps over `transpose(x)[i]`): followed
-        through a Transpose, a slice that takes one index of the leading
-        dimensions and ops that keep every dimension; their origin is the
-        batch's only where they are its leading dimension."""
+        """`_step` for rows that are dimension `axis` of `op`'s output
+        (`axis` > 0: Keras's `TimeDistributed` steps over
+        `transpose(x)[i]`), and for the ops that move dimensions at any
+        axis: followed through a Transpose, a slice that takes one index
+        of the leading dimensions, a Pack or ExpandDims and (`axis` > 0)
+        ops that keep every dimension; their origin is the batch's only
+        where they are its leading dimension."""
         kind = op.type
         if depth > _MAX_DEPTH:
             return (UNKNOWN, kind), None
@@ -171,19 +173,9 @@ class _Reader:
                 return (UNKNOWN, kind), None
             return ((STACKED, None), None) if first != 1 else (
                 None, op.inputs[0])
-        if kind == "Transpose":
-            perm = _static(op.inputs[1])
-            if not perm:
-                return (UNKNOWN, kind), None
-            return None, (op.inputs[0], perm[0])
-        if kind == "StridedSlice":
-            leading = _shrunk_leading(op)
-            if leading:
-                return None, (op.inputs[0], leading)
-        if kind in _INSERTS_AXIS:
-            follow = _inserted(op, 0)
-            return ((UNKNOWN, kind), None) if follow is None else (
-                None, follow)
+        if kind in ("Transpose",) + _INSERTS_AXIS or (
+                kind == "StridedSlice" and _shrunk_leading(op)):
+            return self._moved(op, 0, depth)
         if kind in ("GatherV2", "ResourceGather"):
             axis = _static(op.inputs[2]) if kind == "GatherV2" else 0
             return None, op.inputs[1] if axis == 0 else op.inputs[0]
