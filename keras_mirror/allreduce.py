@@ -77,11 +77,6 @@ def check_gradient_dtype(gradient_dtype):
     return gradient_dtype
 
 
-def wire_dtype(gradient_dtype):
-    """The `tf.DType` gradients travel in, or None for their own dtype."""
-    return _DTYPES[gradient_dtype]
-
-
 def all_reduce_sum(grads, options=None, gradient_dtype=None):
     """Sums `grads` (a list, entries may be None) over all replicas.
 

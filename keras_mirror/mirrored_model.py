@@ -158,14 +158,13 @@ class MirroredModel(ReplicaAttributes, _user_model.UserModelState,
             strategy = devices_lib.multi_worker_strategy(spec, resolved, comm)
         original = _rebuild.build_original(model)
         _rebuild.check_original(original, len(resolved), spec)
-        execution, reason = _execution.pick(execution, resolved, spec)
+        reason = _execution.reason(execution, resolved, spec)
         if spec is None:
             strategy = devices_lib.mirrored_strategy(resolved, communication)
         _multi_worker.mark_ready()
         super().__init__(name=name or f"mirrored_{original.name}")
         self._strategy = strategy
         self._devices = tuple(resolved)
-        self._execution = execution
         self._execution_reason = reason
         self._multi_worker = spec is not None
         self._cluster = spec

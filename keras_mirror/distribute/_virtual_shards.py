@@ -50,7 +50,6 @@ from keras_mirror.distribute import _pipeline_graph
 from keras_mirror.wrapper import _validate
 
 ENV = _multi_worker.VIRTUAL_SHARDS_ENV
-BACKUP_KEYS = ("virtual_shards", "shard_positions")
 
 
 def check(virtual_shards, worker_input, num_workers):

@@ -182,7 +182,7 @@ def distributed(mirrored, x):
         return x
     per_replica = x.flat_map(_pieces(len(mirrored.local_replica_ids)))
     return mirrored.strategy.distribute_datasets_from_function(
-        lambda input_context: per_replica)
+        lambda _: per_replica)
 
 
 def local_rows(data):

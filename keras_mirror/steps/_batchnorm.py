@@ -122,18 +122,6 @@ def batchnorm_layers(model):
             if isinstance(layer, keras.layers.BatchNormalization)]
 
 
-def needs_forward_collectives(model, batchnorm):
-    """Whether the forward pass all-reduces (so no one-trace step).
-
-    True for a synchronized BatchNormalization, and for any plain one with
-    `batchnorm="global"`.
-    """
-    for layer in batchnorm_layers(model):
-        if layer.synchronized or batchnorm == "global":
-            return True
-    return False
-
-
 def say_mode(model, batchnorm, num_replicas):
     """Says once, when wrapping, how the model's BatchNorm layers normalise.
     """

@@ -4,7 +4,7 @@ Every device kind, cluster and model (Keras's built-in step or its own
 `train_step`) runs the same replica step on `tf.distribute`:
 `MirroredStrategy` on one host, `MultiWorkerMirroredStrategy` across hosts.
 Logical CPUs in tests and CI run exactly the code that GPUs run.
-`pick` is called once, in `MirroredModel.__init__`; `describe` is the
+`reason` is called once, in `MirroredModel.__init__`; `describe` is the
 one-line account that `summary()` and `execution_summary` show.
 """
 
@@ -25,28 +25,20 @@ def check(execution):
             f"{REMOVED[execution]} Received: execution={execution!r}")
 
 
-def collective_options(bytes_per_pack, communication):
-    """The collective all-reduce options given away from their defaults."""
-    return {k: v for k, v in (("bytes_per_pack", bytes_per_pack),
-                              ("communication", communication))
-            if v != {"bytes_per_pack": 0, "communication": "auto"}[k]}
-
-
-def pick(execution, devices, spec):
-    """Returns ("strategy", reason) for `MirroredModel(execution=...)`."""
+def reason(execution, devices, spec):
+    """Why the one path runs, for `MirroredModel(execution=...)`."""
     if spec is not None:
-        return "strategy", "training spans a multi-worker cluster"
+        return "training spans a multi-worker cluster"
     if execution == "strategy":
-        return "strategy", "execution='strategy' was asked for"
+        return "execution='strategy' was asked for"
     if len(devices) == 1:
-        return "strategy", ("it is the one path; one device runs it as "
-                            "one replica")
-    return "strategy", ("it is the one path, on every device kind: each "
-                        "replica keeps its own copy of the variables and "
-                        "gradients are all-reduced (NCCL on GPUs)")
+        return "it is the one path; one device runs it as one replica"
+    return ("it is the one path, on every device kind: each replica keeps "
+            "its own copy of the variables and gradients are all-reduced "
+            "(NCCL on GPUs)")
 
 
-def describe(execution, reason, devices, strategy):
+def describe(reason, strategy):
     """One line: which execution path runs, and why."""
     what = (f"strategy (tf.distribute {type(strategy).__name__}; one "
             "replica step per device; explicit gradient all-reduce)")

@@ -33,7 +33,6 @@ import logging
 
 import tensorflow as tf
 
-from keras_mirror.replica_context import CROSS_REPLICA_IN_ONE_TRACE
 from keras_mirror.replica_context import TRIAL
 from keras_mirror.replica_context import note
 from keras_mirror.steps import _batchnorm
@@ -41,7 +40,6 @@ from keras_mirror.steps import _xla
 from keras_mirror.steps import arithmetic
 
 SPARSE = "a shard is sparse or ragged"
-REDUCES = CROSS_REPLICA_IN_ONE_TRACE
 
 
 def enabled(mirrored):
@@ -130,10 +128,6 @@ class Traced:
         self._concrete = None
         self._jit = jit
         self.reason = None
-
-    def tracing_count(self):
-        """How many times the function was traced (1 once it ran)."""
-        return self.function.experimental_get_tracing_count()
 
     def prepare(self, *args):
         """Traces the function for `args` (once); why one trace cannot

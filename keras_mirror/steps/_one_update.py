@@ -144,9 +144,6 @@ class Update:
             return True
         return self._signature == (_kinds(grads), finite is None)
 
-    def tracing_count(self):
-        return self.function.experimental_get_tracing_count()
-
 
 def _spec(grad, variable):
     """The argument spec of `grad`, the gradient of `variable`: a sparse

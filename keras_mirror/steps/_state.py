@@ -36,6 +36,8 @@ class StepState:
             (`callbacks/_replica_logs.remember`).
         batchnorm: the model's BatchNorm `_batchnorm.Kinds` (None: to be
             decided; reset by each compile).
+        adopted: the model's compile state the wrapper last adopted
+            (`wrapper/_compile`; None: not yet).
     """
 
     one_trace_off: str = None
@@ -53,6 +55,7 @@ class StepState:
     reductions: object = None
     capacity: int = None
     last_replica_logs: dict = None
+    adopted: object = None
 
     def first_time(self, what, reason):
         """True the first time `(what, reason)` is to be said, else False:

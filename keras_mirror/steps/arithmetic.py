@@ -265,16 +265,6 @@ def pack_stats(per_replica, keys=REPLICA_KEYS):
     return tf.reshape(tf.stack(scalars), [len(per_replica), len(keys)])
 
 
-def stats_row(stats, keys=REPLICA_KEYS):
-    """One replica's statistics as a float32 `[keys]` vector.
-
-    Built on the replica's device, so that one tensor per replica, not one
-    per statistic, reaches the device that packs them (`tf.stack` of the
-    rows is `pack_stats`'s matrix).
-    """
-    return tf.stack([tf.cast(stats[k], tf.float32) for k in keys])
-
-
 def compute_stats(keys, start, grads, shard_loss, rows, sw):
     """One replica's statistics named in `keys` (see `pack_stats`).
 
@@ -296,34 +286,3 @@ def compute_stats(keys, start, grads, shard_loss, rows, sw):
         stats["replica_samples"] = rows
         stats["replica_sample_weight"] = _sample_weight_sum(sw, rows)
     return stats
-
-
-class StateGuard:
-    """Gives every replica the same starting non-trainable state.
-
-    Each shard's forward pass may write non-trainable variables (moving
-    statistics). The guard reads them before the first shard, records what
-    replica 0 wrote, restores the starting values before every later shard,
-    and finally keeps replica 0's values, as the `tf.distribute` path does.
-    """
-
-    def __init__(self, model, num_replicas):
-        # One replica's writes are the state kept: nothing to guard.
-        self._variables = (list(model.non_trainable_variables)
-                           if num_replicas > 1 else [])
-        self._start = [tf.identity(v.value) for v in self._variables]
-        self._first = None
-
-    def after_replica(self, r):
-        if not self._variables:
-            return
-        if r == 0:
-            self._first = [tf.identity(v.value) for v in self._variables]
-        for v, value in zip(self._variables, self._start):
-            v.assign(value)
-
-    def finish(self):
-        if not self._variables:
-            return
-        for v, value in zip(self._variables, self._first):
-            v.assign(value)

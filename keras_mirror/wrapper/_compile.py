@@ -66,7 +66,7 @@ def adopt(mirrored):
         jit_compile=False, auto_scale_loss=False)
     mirrored._step_state.reductions = None
     mirrored._step_state.batchnorm = None
-    mirrored._adopted = _CompileState(inner)
+    mirrored._step_state.adopted = _CompileState(inner)
 
 
 class _CompileState:
@@ -120,7 +120,7 @@ def follow(mirrored):
     inner = mirrored._inner
     if not getattr(inner, "compiled", False):
         return
-    state = mirrored.__dict__.get("_adopted")
+    state = mirrored._step_state.adopted
     if state is None or state.recompiled(inner):
         adopt(mirrored)
         mirrored._homes.refresh()

@@ -30,9 +30,6 @@ import keras
 
 from keras_mirror import _compat
 
-METHODS = ("fit", "evaluate", "predict", "train_on_batch", "test_on_batch",
-           "predict_on_batch")
-
 
 def overrides(model, name):
     """Whether `model`'s class has its own `name` instead of Keras's."""
@@ -40,7 +37,8 @@ def overrides(model, name):
 
 
 def through_model(method):
-    """Decorates a `MirroredModel` method named as one of Keras's `METHODS`:
+    """Decorates a `MirroredModel` method named as one of Keras's (`fit`,
+    `evaluate`, `predict` and their `*_on_batch` forms):
     runs the user's model's own override of it, if its class has one,
     with its call to Keras's method routed to the wrapper's (`method`)."""
     name = method.__name__

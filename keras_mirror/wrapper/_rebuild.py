@@ -79,13 +79,6 @@ def check_weights_exist(model):
         )
 
 
-def synchronized_layers(model):
-    """Names of the model's `BatchNormalization(synchronized=True)` layers."""
-    return [layer.name for layer in all_layers(model)
-            if isinstance(layer, keras.layers.BatchNormalization)
-            and getattr(layer, "synchronized", False)]
-
-
 def stateful_layers(model):
     """Names of the model's stateful RNN layers (`stateful=True`)."""
     return [layer.name for layer in all_layers(model)

@@ -23,7 +23,7 @@ class ReplicaAttributes:
     @property
     def execution(self):
         """The execution path: `"strategy"`, the one path (see `summary`)."""
-        return self._execution
+        return "strategy"
 
     @property
     def num_workers(self):
@@ -153,5 +153,4 @@ class ReplicaAttributes:
     @property
     def execution_summary(self):
         """One line: which execution path runs, and why."""
-        return _execution.describe(self._execution, self._execution_reason,
-                                   self._devices, self._strategy)
+        return _execution.describe(self._execution_reason, self._strategy)

@@ -110,18 +110,6 @@ def test_layer_norm_moments_stay_local(cpus):
     assert not _batchnorm.reduces_batch_axis(x, (1, 2))
 
 
-def test_needs_forward_collectives():
-    plain = keras.Sequential([keras.Input((2,)),
-                              layers.BatchNormalization()])
-    synced = keras.Sequential([keras.Input((2,)),
-                               layers.BatchNormalization(synchronized=True)])
-    dense = keras.Sequential([keras.Input((2,)), layers.Dense(1)])
-    assert _batchnorm.needs_forward_collectives(plain, "global")
-    assert not _batchnorm.needs_forward_collectives(plain, "per_replica")
-    assert _batchnorm.needs_forward_collectives(synced, "per_replica")
-    assert not _batchnorm.needs_forward_collectives(dense, "global")
-
-
 def test_the_mode_is_said_once_when_wrapping(cpus, caplog):
     import logging
 

@@ -15,6 +15,7 @@ from keras import layers
 from support.helpers import batches
 
 import keras_mirror
+from keras_mirror.replica_context import CROSS_REPLICA_IN_ONE_TRACE
 from keras_mirror.steps import _one_trace
 
 TOL = 1e-5
@@ -56,7 +57,7 @@ def test_one_trace_serves_every_replica(execution, one_device):
     assert len(mirrored.devices) == 4
     traced = mirrored._step_state.one_trace_last
     # Every replica of every step called the same trace.
-    assert traced.tracing_count() == 1
+    assert traced.function.experimental_get_tracing_count() == 1
     assert mirrored._step_state.one_trace_off is None
     diff = max(float(np.abs(a - b).max())
                for a, b in zip(one_device, weights))
@@ -78,7 +79,7 @@ def test_a_reduction_in_the_forward_pass_traces_per_replica(one_device):
 
     mirrored, weights = _train("strategy", build)
     # TensorFlow refuses `merge_call` inside a function traced once.
-    assert mirrored._step_state.one_trace_off == _one_trace.REDUCES
+    assert mirrored._step_state.one_trace_off == CROSS_REPLICA_IN_ONE_TRACE
     diff = max(float(np.abs(a - b).max())
                for a, b in zip(one_device, weights))
     assert diff < TOL
@@ -99,12 +100,12 @@ def test_a_gather_in_the_forward_pass_is_noted_and_logged_once(
 
     with caplog.at_level("INFO", logger="keras_mirror"):
         mirrored, weights = _train("strategy", build)
-    assert mirrored._step_state.one_trace_off == _one_trace.REDUCES
+    assert mirrored._step_state.one_trace_off == CROSS_REPLICA_IN_ONE_TRACE
     said = [r.getMessage() for r in caplog.records
             if "traces the replica step per replica" in r.getMessage()]
     assert said == [
         "keras-mirror traces the replica step per replica, not once for all "
-        f"replicas, because {_one_trace.REDUCES}."]
+        f"replicas, because {CROSS_REPLICA_IN_ONE_TRACE}."]
     diff = max(float(np.abs(a - b).max())
                for a, b in zip(one_device, weights))
     assert diff < TOL
@@ -142,4 +143,5 @@ def test_the_step_keeps_its_state_in_one_object():
     step_keys = [k for k in vars(mirrored) if k.startswith(
         ("_one_", "_xla", "_warned", "_scanned"))]
     assert step_keys == []
-    assert mirrored._step_state.one_update_last.tracing_count() == 1
+    update = mirrored._step_state.one_update_last
+    assert update.function.experimental_get_tracing_count() == 1

@@ -105,7 +105,7 @@ def test_the_update_is_traced_once_for_every_replica(name):
     mirrored, model, counted = _train(OPTIMIZERS[name], wrap=True)
     assert len(mirrored.devices) == 4
     update = mirrored._step_state.one_update_last
-    assert update.tracing_count() == 1
+    assert update.function.experimental_get_tracing_count() == 1
     # Once per variable: not once per variable and replica (4 x 4).
     assert counted.calls == len(model.trainable_variables) == 4
     assert mirrored._step_state.one_update_reason is None
@@ -135,7 +135,8 @@ def test_a_sparse_gradient_is_traced_once_too(name):
     _, reference, _ = _train(make, wrap=False, embedding=True)
     mirrored, model, counted = _train(make, wrap=True, embedding=True)
     assert mirrored._step_state.one_update_reason is None
-    assert mirrored._step_state.one_update_last.tracing_count() == 1
+    update = mirrored._step_state.one_update_last
+    assert update.function.experimental_get_tracing_count() == 1
     assert counted.calls == len(model.trainable_variables) == 3
     assert max_diff(reference.get_weights(), model.get_weights()) < TOL
     for a, b in zip(reference.optimizer.variables, model.optimizer.variables):
@@ -161,7 +162,8 @@ def test_a_skipped_step_keeps_every_copy():
     mirrored.train_on_batch(x, y_nan)
     after = [np.array(c) for v in model.variables + model.optimizer.variables
              for c in mirrored._strategy.experimental_local_results(v.value)]
-    assert mirrored._step_state.one_update_last.tracing_count() == 1
+    update = mirrored._step_state.one_update_last
+    assert update.function.experimental_get_tracing_count() == 1
     assert mirrored._step_state.one_update_reason is None
     for a, b in zip(before, after):
         np.testing.assert_array_equal(a, b)
