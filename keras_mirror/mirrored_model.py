@@ -7,6 +7,7 @@ import keras
 from keras_mirror import _compat
 from keras_mirror import verify as verify_lib
 from keras_mirror.callbacks import step_backup
+from keras_mirror.distribute import _files
 from keras_mirror.distribute import _homes
 from keras_mirror.distribute import _multi_worker
 from keras_mirror.distribute import _worker_input
@@ -19,7 +20,6 @@ from keras_mirror.steps import dispatch
 from keras_mirror.steps import own_step
 from keras_mirror.wrapper import _arguments
 from keras_mirror.wrapper import _compile
-from keras_mirror.wrapper import _files
 from keras_mirror.wrapper import _fit_input
 from keras_mirror.wrapper import _model_methods
 from keras_mirror.wrapper import _on_batch

@@ -20,10 +20,12 @@ import keras
 
 from keras_mirror import _compat
 from keras_mirror import errors
-from keras_mirror.wrapper._files import check_weights_file as check_weights_file
-from keras_mirror.wrapper._files import fsync as fsync
-from keras_mirror.wrapper._files import load_weights as load_weights
-from keras_mirror.wrapper._files import write_atomically as write_atomically
+from keras_mirror.distribute._files import (
+    check_weights_file as check_weights_file,
+)
+from keras_mirror.distribute._files import fsync as fsync
+from keras_mirror.distribute._files import load_weights as load_weights
+from keras_mirror.distribute._files import write_atomically as write_atomically
 
 # Packages whose objects Keras itself resolves by module in safe mode.
 _TRUSTED_PACKAGES = ("keras", "keras_hub", "keras_cv", "keras_nlp")

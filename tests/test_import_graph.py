@@ -1,4 +1,12 @@
-"""No import cycles between keras_mirror's own modules.
+"""keras_mirror's imports: folders in layers, and no cycles.
+
+The package's folders (and its top-level modules) sit in `LAYERS`, from
+`_compat` (the seam to Keras's and TensorFlow's private names) at the
+bottom to the command line at the top: a module imports only from layers
+below its own, never up and never sideways, so no folder-level cycle can
+form. Callbacks sit below the wrapper, as Keras's callbacks sit below its
+trainer: the wrapper assembles them; a callback drives the wrapper only
+through the model object it is given.
 
 Every module is parsed with `ast`; every `import` and `from ... import`
 counts, at module level or inside a function (a function-level import
@@ -12,6 +20,25 @@ import ast
 import pathlib
 
 PACKAGE = pathlib.Path(__file__).resolve().parent.parent / "keras_mirror"
+
+# Bottom to top. A unit is a subpackage (`steps`) or a top-level module
+# (`split`); `keras_mirror` is the package's `__init__` (its public names).
+LAYERS = (
+    ("_compat",),
+    ("errors", "split", "version"),
+    ("allreduce", "replica_context"),
+    ("distribute",),
+    ("steps",),
+    ("callbacks",),
+    ("wrapper",),
+    ("verify",),
+    ("mirrored_model",),
+    ("saving",),
+    ("keras_mirror",),
+    ("launch",),
+    ("demo",),
+    ("cli",),
+)
 
 
 def _module_names(package):
@@ -120,3 +147,42 @@ def test_no_import_cycles():
     cycles = find_cycles(import_graph())
     assert not cycles, "import cycles: " + "; ".join(
         " -> ".join(c) for c in cycles)
+
+
+def unit(module):
+    """The layered unit of a module: its subpackage or top-level name."""
+    parts = module.split(".")
+    return parts[1] if len(parts) > 1 else parts[0]
+
+
+def climbing(graph, layers=LAYERS):
+    """Every import from a unit to one in the same or a higher layer."""
+    rank = {u: i for i, layer in enumerate(layers) for u in layer}
+    bad = []
+    for module, targets in sorted(graph.items()):
+        for target in sorted(targets):
+            a, b = unit(module), unit(target)
+            if a != b and rank[b] >= rank[a]:
+                bad.append(f"{module} -> {target}")
+    return bad
+
+
+def test_every_unit_has_a_layer():
+    placed = {u for layer in LAYERS for u in layer}
+    units = {unit(m) for m in import_graph()}
+    assert units == placed, (
+        f"not in LAYERS: {sorted(units - placed)}; "
+        f"gone: {sorted(placed - units)}")
+
+
+def test_climbing_names_an_import_up_or_sideways():
+    layers = (("low",), ("a", "b"), ("high",))
+    graph = {"p.low.x": {"p.high.y"}, "p.a": {"p.b"}, "p.high.y": {"p.a"},
+             "p.b": {"p.low.x"}}
+    assert climbing(graph, layers) == ["p.a -> p.b", "p.low.x -> p.high.y"]
+
+
+def test_no_import_climbs_a_layer():
+    bad = climbing(import_graph())
+    assert not bad, "imports up or sideways across layers: " + "; ".join(
+        bad)

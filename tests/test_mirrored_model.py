@@ -399,7 +399,7 @@ def test_train_on_batch_keeps_each_replica_vector_aside(cpus):
     # The step returns its per-replica statistics packed in one tensor;
     # `train_on_batch` returns plain Keras's values and the vectors wait in
     # `last_replica_logs`, in replica order.
-    from keras_mirror.callbacks import _replica_logs
+    from keras_mirror.steps import _replica_stats
 
     mirrored = keras_mirror.MirroredModel(mlp(), devices=cpus[:3])
     mirrored.compile(optimizer="sgd", loss="mse", metrics=["mae"])
@@ -408,7 +408,7 @@ def test_train_on_batch_keeps_each_replica_vector_aside(cpus):
     assert set(logs) == {"loss", "mae"}
     vectors = mirrored.last_replica_logs
     assert set(vectors) == {k[len("replica_"):]
-                            for k in _replica_logs.STAT_KEYS}
+                            for k in _replica_stats.STAT_KEYS}
     assert vectors["samples"].tolist() == list(mirrored.split_plan(7))
     assert vectors["sample_weight"] == pytest.approx(
         [sw[:3].sum(), sw[3:5].sum(), sw[5:].sum()], rel=1e-6)
@@ -420,7 +420,7 @@ def test_train_on_batch_keeps_each_replica_vector_aside(cpus):
 
 
 def test_the_step_packs_its_statistics_into_one_output(cpus):
-    from keras_mirror.callbacks import _replica_logs
+    from keras_mirror.steps import _replica_stats
 
     mirrored = keras_mirror.MirroredModel(mlp(), devices=cpus[:2])
     mirrored.compile(optimizer="sgd", loss="mse")
@@ -430,11 +430,11 @@ def test_the_step_packs_its_statistics_into_one_output(cpus):
         mirrored.train_step, args=(d,)))
     with mirrored._homes.mirrored():  # the variables as in `fit`
         logs = step((tf.constant(x), tf.constant(y)))
-    assert set(logs) == {"loss", _replica_logs.PACKED}
+    assert set(logs) == {"loss", _replica_stats.PACKED}
     packed = mirrored.distribute_strategy.experimental_local_results(
-        logs[_replica_logs.PACKED])[0]
-    assert packed.shape == (2, len(_replica_logs.STAT_KEYS))
-    samples = _replica_logs.STAT_KEYS.index("replica_samples")
+        logs[_replica_stats.PACKED])[0]
+    assert packed.shape == (2, len(_replica_stats.STAT_KEYS))
+    samples = _replica_stats.STAT_KEYS.index("replica_samples")
     assert packed.numpy()[:, samples].tolist() == [3, 2]
 
 

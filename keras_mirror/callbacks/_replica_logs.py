@@ -10,7 +10,6 @@ callbacks that opt in with the class attribute `wants_replica_logs = True`:
 `ReplicaHistory`, `ReplicaTensorBoard`, and any user callback that sets it.
 """
 
-import functools
 import re
 import sys
 import weakref
@@ -18,33 +17,7 @@ import weakref
 import keras
 import numpy as np
 
-from keras_mirror.wrapper import _user_model
-
-PREFIX = "replica_"
-# Keras prefixes validation logs with `val_`.
-_PREFIXES = (PREFIX, "val_" + PREFIX)
-# The built-in train step's per-replica statistics, in this order.
-STAT_KEYS = (
-    "replica_loss",
-    "replica_samples",
-    "replica_sample_weight",
-    "replica_grad_norm",
-    "replica_nonfinite",
-    "replica_step_time",
-)
-# The train step returns them as one float32 matrix under this key, one row
-# per replica and one column per `STAT_KEYS` entry: one output tensor and one
-# device-to-host copy per step instead of six, which measured ~5% of a 2 ms
-# step (`benchmarks/README.md`). `unpacking` splits it back into the
-# `replica_*` vectors before Keras or any callback sees the logs.
-PACKED = "_replica_stats"
-
-
-def strip(logs):
-    """`logs` without the per-replica vectors."""
-    if not logs:
-        return logs
-    return {k: v for k, v in logs.items() if not k.startswith(_PREFIXES)}
+from keras_mirror.steps import _replica_stats
 
 
 def wants_replica_logs(callback):
@@ -54,6 +27,14 @@ def wants_replica_logs(callback):
     `wants_replica_logs`; every other callback sees plain Keras's logs.
     """
     return bool(getattr(callback, "wants_replica_logs", False))
+
+
+def callback_model(callback, mirrored):
+    """The model `callback` sees: the user's, or keras-mirror's wrapper."""
+    if getattr(callback, "_wants_wrapper", False):
+        return mirrored
+    inner = mirrored.__dict__.get("_inner")
+    return mirrored if inner is None else inner
 
 
 class ReplicaCallbackList(keras.callbacks.CallbackList):
@@ -73,7 +54,7 @@ class ReplicaCallbackList(keras.callbacks.CallbackList):
 
         The list itself keeps the wrapper (Keras's loop reads it);
         keras-mirror's own callbacks get it too
-        (`_user_model.callback_model`).
+        (`_replica_logs.callback_model`).
         """
         if not model:
             return
@@ -81,7 +62,7 @@ class ReplicaCallbackList(keras.callbacks.CallbackList):
         if self._history:
             model.history = self._history
         for callback in self.callbacks:
-            callback.set_model(_user_model.callback_model(callback, model))
+            callback.set_model(callback_model(callback, model))
 
     def _dispatch(self, hook, *args, logs=None):
         stripped = None
@@ -90,7 +71,7 @@ class ReplicaCallbackList(keras.callbacks.CallbackList):
                 cb_logs = logs
             else:
                 if stripped is None:
-                    stripped = strip(logs)
+                    stripped = _replica_stats.strip(logs)
                 cb_logs = stripped
             # As Keras's `CallbackList` calls each hook: the batch hooks
             # with `logs=`, the others positionally (a callback may name
@@ -176,60 +157,6 @@ def _erase(text):
     visible = re.sub(r"\x1b\[[0-9;]*m", "", text)
     sys.stdout.write("\r" + " " * len(visible) + "\r")
     sys.stdout.flush()
-
-
-def unpack(logs, keys=STAT_KEYS):
-    """`logs` with the packed statistics split into `replica_*` vectors.
-
-    `keys` name the packed matrix's columns (`MirroredModel(replica_stats=
-    False)` packs fewer).
-    """
-    if not isinstance(logs, dict) or PACKED not in logs:
-        return logs
-    logs = dict(logs)
-    columns = np.ascontiguousarray(np.asarray(logs.pop(PACKED)).T)
-    if len(columns) != len(keys):
-        raise ValueError(
-            f"The packed per-replica statistics have {len(columns)} "
-            f"columns; expected one per key of {keys}.")
-    for key, column in zip(keys, columns):
-        logs[key] = column
-    return logs
-
-
-def unpacking(function, keys=STAT_KEYS, owner=None):
-    """Wraps a Keras train function so that its logs come unpacked.
-
-    With `owner` (the `MirroredModel`), each step's `replica_*` vectors
-    are also kept for `owner.last_replica_logs` (`remember`).
-    """
-    if function is None or getattr(function, "_unpacks_replica_stats",
-                                   False):
-        return function
-
-    @functools.wraps(function)
-    def call(*args, **kwargs):
-        logs = unpack(function(*args, **kwargs), keys)
-        if owner is not None:
-            remember(owner, logs)
-        return logs
-
-    call._unpacks_replica_stats = True
-    return call
-
-
-def remember(owner, logs):
-    """Keeps the step's `replica_*` vectors (tensors; read when asked)."""
-    if isinstance(logs, dict):
-        vectors = {k: v for k, v in logs.items() if k.startswith(PREFIX)}
-        owner._step_state.last_replica_logs = vectors
-
-
-def last_logs(owner):
-    """`{name: NumPy vector}` of the last step's `replica_<name>` values."""
-    vectors = owner._step_state.last_replica_logs or {}
-    return {k[len(PREFIX):]: np.asarray(v).reshape(-1)
-            for k, v in vectors.items()}
 
 
 def _numpy(logs):

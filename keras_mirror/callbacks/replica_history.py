@@ -15,7 +15,7 @@ import numpy as np
 
 from keras_mirror import errors
 from keras_mirror.callbacks import _replica_logs
-from keras_mirror.callbacks._replica_logs import PREFIX
+from keras_mirror.steps._replica_stats import PREFIX
 
 # How each per-step vector turns into an epoch value per replica.
 _EPOCH_SUM = ("replica_samples", "replica_sample_weight", "replica_nonfinite")

@@ -12,10 +12,10 @@ from tensorboard.compat.proto import types_pb2
 from tensorboard.plugins.scalar import metadata as scalar_metadata
 from tensorboard.summary.writer.event_file_writer import EventFileWriter
 
-from keras_mirror.callbacks import _replica_logs
+from keras_mirror.steps import _replica_stats
 
 _LOG = logging.getLogger(__name__)
-_PREFIX = _replica_logs.PREFIX
+_PREFIX = _replica_stats.PREFIX
 _VAL_PREFIX = "val_"
 _SCALAR_METADATA = scalar_metadata.create_summary_metadata(
     display_name=None, description=None)

@@ -13,8 +13,8 @@ it checks every field's shape and dtype (from its header, before its
 data; a backup that is truncated, not a regular file or does not fit raises
 `StepBackupError` naming the file and field, nothing assigned), restores
 it and resumes at that position on the batches an uninterrupted run would
-read from there (`validation_split` and
-`steps_per_epoch` included, see `keras_mirror.wrapper._resume`), so the run ends
+read from there (`validation_split` and `steps_per_epoch` included, see
+`keras_mirror.callbacks._resume`), so the run ends
 with the same step count and weights as an uninterrupted one.
 
 At `on_train_begin` the directory is created and checked with a probe
@@ -47,11 +47,11 @@ import numpy as np
 
 from keras_mirror import errors
 from keras_mirror.callbacks import _backup_fields
+from keras_mirror.callbacks import _resume
+from keras_mirror.distribute import _files
 from keras_mirror.distribute import _homes
 from keras_mirror.distribute import _preemption
 from keras_mirror.distribute import _virtual_shards
-from keras_mirror.wrapper import _files
-from keras_mirror.wrapper import _resume
 
 _FILE = "step_backup.npz"
 _TMP_SUFFIX = ".tmp.npz"

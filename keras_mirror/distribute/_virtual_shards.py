@@ -47,7 +47,6 @@ from keras_mirror import split
 from keras_mirror.distribute import _input_fn
 from keras_mirror.distribute import _multi_worker
 from keras_mirror.distribute import _pipeline_graph
-from keras_mirror.wrapper import _validate
 
 ENV = _multi_worker.VIRTUAL_SHARDS_ENV
 
@@ -147,7 +146,7 @@ def _dataset_shard(x, facts, num_shards, index, steps_per_epoch):
     shard = _compat.auto_shard(x.with_options(options), num_shards,
                                      index)
     # Known endless here (a SHARD_HINT pipeline is not, before sharding).
-    _validate.refuse_endless("x", shard, "steps_per_epoch", steps_per_epoch)
+    _rows.refuse_endless("x", shard, "steps_per_epoch", steps_per_epoch)
     rows = split.balanced_sizes(facts.batch_size, num_shards)[index]
     return shard.rebatch(rows, drop_remainder=facts.drop_remainder)
 
@@ -173,7 +172,7 @@ def _fn_shards(input_fn, num_shards, mine, steps_per_epoch):
     every = [shards[v] if v in shards else _fn_dataset(
         input_fn, num_shards, v) for v in range(num_shards)]
     _input_fn.check_specs([s.element_spec for s in every], "input_fn")
-    _validate.refuse_endless("input_fn", every, "steps_per_epoch",
+    _rows.refuse_endless("input_fn", every, "steps_per_epoch",
                              steps_per_epoch)
     for shard in shards.values():
         _check_pipeline(_pipeline_graph.inspect(shard), num_shards, True)

@@ -33,9 +33,8 @@ import sys
 import tensorflow as tf
 
 from keras_mirror import split
+from keras_mirror.distribute import _rows
 from keras_mirror.distribute import _virtual_shards
-from keras_mirror.steps import _slicing
-from keras_mirror.wrapper import _inputs
 
 _MARK = "keras_mirror_worker_rows"
 
@@ -49,7 +48,7 @@ def _check(mirrored, x, y, kwargs):
     if mirrored.batch_mode != "global":
         _refuse("needs `batch='global'`.",
                 f"batch={mirrored.batch_mode!r}")
-    if not _inputs.is_array(x):
+    if not _rows.is_array(x):
         _refuse("reads rows of arrays (NumPy arrays or memory-mapped "
                 "`.npy` files) or virtual shards of a `tf.data.Dataset` "
                 "or an `input_fn(input_context)`; other inputs are read "
@@ -97,7 +96,7 @@ def shard_fit_input(mirrored, x, y, batch_size, kwargs):
     sw = kwargs.pop("sample_weight", None)
     kwargs.pop("shuffle", None)
     parts = tuple(p for p in (x, y, sw) if p is not None)
-    rows = _inputs.num_rows(x)
+    rows = _rows.num_rows(x)
     batch_size = batch_size or 32
     bounds = segments(mirrored, rows, batch_size)
     position = mirrored.local_replica_ids[0] // len(mirrored.devices)
@@ -218,9 +217,9 @@ def assemble(mirrored, data):
         return data
     strategy = mirrored.strategy
     rows = data[_MARK]
-    if _slicing.is_per_replica(rows) and _dense(rows):
+    if _rows.is_per_replica(rows) and _dense(rows):
         return rows
-    if not _slicing.is_per_replica(rows):
+    if not _rows.is_per_replica(rows):
         # A worker's rows in one element (arrays): its first local
         # replica holds them, the others none.
         first = mirrored.local_replica_ids[0]

@@ -1,15 +1,19 @@
-"""Plain BatchNormalization normalised by the global batch.
+"""BatchNormalization's statistics in a replica step: the global batch's.
 
 On one device, `BatchNormalization` normalises by the moments of the whole
 batch. Split across replicas, Keras's plain layer normalises each shard by
 its own moments and keeps replica 0's moving statistics: not one device's
 model. With `batchnorm="global"` (the default) every moment over the batch
 axis taken inside a replica step is the global batch's (sums and counts
-all-reduced, a stand-in row left out, `two_pass_moments`), so every
+all-reduced, a stand-in row left out, `global_moments`), so every
 replica normalises by, and keeps moving statistics of, the real rows of
 the whole global batch.
 `batchnorm="per_replica"` keeps each shard's own moments (Keras's plain
 behaviour under `tf.distribute`).
+
+A synchronized layer (`synchronized=True`) all-reduces its sums in Keras
+already; in a replica step the same sums leave the stand-in rows out, with
+Keras's own arithmetic. Both are one replacement, `global_statistics`.
 
 Moments over other axes (`LayerNormalization`, `GroupNormalization`) are
 per row and stay local.
@@ -41,54 +45,81 @@ def reduces_batch_axis(x, axes):
     return 0 in [int(a) % rank for a in tf.nest.flatten(axes)]
 
 
-def two_pass_moments(x, axes, keepdims):
-    """The global batch's mean, then its variance about that mean.
+def _keep(x, axes):
+    """1 on the rows that count, 0 on stand-in rows: row by row where the
+    moments reduce the batch axis (`_stand_in.row_keep`), else the replica
+    as a whole (0 on a stand-in replica)."""
+    if reduces_batch_axis(x, axes):
+        keep = _stand_in.row_keep(x)
+    else:
+        stand_in = _stand_in.is_stand_in()
+        keep = None if stand_in is None else tf.cast(
+            tf.logical_not(stand_in), x.dtype)
+    return tf.constant(1.0, x.dtype) if keep is None else keep
 
-    One device's arithmetic (`tf.nn.moments`: the mean, then the mean of
-    squared differences), not Keras's synchronized one (the mean of squares
-    minus the squared mean), which loses digits on a few rows of large
-    values. A stand-in row's terms are multiplied by 0 (all of a stand-in
-    replica's, and a padded shard's extra rows: `_stand_in.row_keep`).
+
+def global_moments(x, axes, keepdims, two_pass):
+    """The global batch's moments, stand-in rows left out.
+
+    Sums and counts are all-reduced (`summed`), each stand-in row's terms
+    multiplied by 0. `two_pass`: one device's arithmetic for a plain layer
+    (`tf.nn.moments`: the mean, then the mean of squared differences);
+    else Keras's synchronized arithmetic (the mean of squares minus the
+    squared mean, `keras.src.backend.tensorflow.nn._compute_moments_sync`),
+    which a synchronized layer computes on one device too.
     """
-    keep = _stand_in.row_keep(x)
-    if keep is None:
-        keep = tf.constant(1.0, x.dtype)
+    keep = _keep(x, axes)
 
     def total(t):
         return summed(tf.reduce_sum(t * keep, axis=axes, keepdims=True))
 
     count = total(tf.ones_like(x))
     mean = tf.math.divide_no_nan(total(x), count)
-    variance = tf.math.divide_no_nan(
-        total(tf.math.squared_difference(x, tf.stop_gradient(mean))),
-        count)
+    if two_pass:
+        variance = tf.math.divide_no_nan(
+            total(tf.math.squared_difference(x, tf.stop_gradient(mean))),
+            count)
+    else:
+        variance = tf.maximum(
+            tf.math.divide_no_nan(total(tf.square(x)), count)
+            - tf.square(mean), 0.0)
     if not keepdims:
         mean, variance = tf.squeeze(mean, axes), tf.squeeze(variance, axes)
     return mean, variance
 
 
-def _global(original):
-    """`_compute_moments` made global over the batch axis in a replica."""
+def _replacement(original, two_pass):
+    """Keras's moments function `original`, global inside a replica step:
+    a plain layer's (`two_pass`) where it reduces the batch axis, a
+    synchronized layer's where the step knows its stand-in rows."""
 
     def moments(x, axes, keepdims):
         replica_ctx = tf.distribute.get_replica_context()
-        if replica_ctx is None or replica_ctx.num_replicas_in_sync == 1 or \
-                not reduces_batch_axis(x, axes):
+        if replica_ctx is None or replica_ctx.num_replicas_in_sync == 1:
             return original(x, axes, keepdims)
-        return two_pass_moments(x, axes, keepdims)
+        if two_pass and not reduces_batch_axis(x, axes):
+            return original(x, axes, keepdims)
+        if not two_pass and _stand_in.is_stand_in() is None:
+            return original(x, axes, keepdims)
+        return global_moments(x, axes, keepdims, two_pass)
 
     return moments
 
 
 @contextlib.contextmanager
-def global_moments():
-    """Within the block, plain BatchNorm's moments are the global batch's
-    (`batchnorm="global"`, entered only where the model has plain
-    BatchNorm: `kinds`)."""
+def global_statistics(kinds):
+    """Within the block, BatchNorm's moments are the global batch's, real
+    rows only: a synchronized layer's (`kinds.synchronized`) and, with
+    `batchnorm="global"`, a plain layer's (`kinds.global_plain`)."""
     module = _compat.moments_module()
-    original = getattr(module, _compat.LOCAL_MOMENTS)
-    with _compat.replaced(module, {
-            _compat.LOCAL_MOMENTS: _global(original)}):
+    replacements = {}
+    if kinds.synchronized:
+        replacements[_compat.SYNC_MOMENTS] = _replacement(
+            getattr(module, _compat.SYNC_MOMENTS), two_pass=False)
+    if kinds.global_plain:
+        replacements[_compat.LOCAL_MOMENTS] = _replacement(
+            getattr(module, _compat.LOCAL_MOMENTS), two_pass=True)
+    with _compat.replaced(module, replacements):
         yield
 
 
@@ -116,9 +147,7 @@ def kinds(mirrored):
 
 def batchnorm_layers(model):
     """The model's `BatchNormalization` layers, nested ones included."""
-    from keras_mirror.wrapper import _rebuild
-
-    return [layer for layer in _rebuild.all_layers(model)
+    return [layer for layer in _compat.layers_within(model)
             if isinstance(layer, keras.layers.BatchNormalization)]
 
 

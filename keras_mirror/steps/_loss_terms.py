@@ -29,8 +29,8 @@ import numpy as np
 import tensorflow as tf
 
 from keras_mirror import _compat
+from keras_mirror.distribute import _rows
 from keras_mirror.steps import _row_order
-from keras_mirror.steps import _slicing
 
 
 class Terms:
@@ -99,7 +99,7 @@ def _pruned(model, batch, repeat, training):
     present = [i for i, t in enumerate(leaves) if t is not None]
     specs = [tf.TensorSpec(leaves[i].shape, leaves[i].dtype)
              for i in present]
-    rows = int(_rows(batch))
+    rows = int(_batch_rows(batch))
 
     def terms(*flat):
         full = [None] * len(leaves)
@@ -117,7 +117,7 @@ def _pruned(model, batch, repeat, training):
         leaves[i] for i in present]
 
 
-def _rows(batch):
+def _batch_rows(batch):
     leaf = next(t for t in tf.nest.flatten(batch) if t is not None)
     if isinstance(leaf, tf.SparseTensor):
         return leaf.dense_shape[0]
@@ -140,7 +140,7 @@ def evaluate(model, batch, training=True):
             t, (tf.SparseTensor, tf.RaggedTensor)) else tf.convert_to_tensor(t),
         batch)
     doubled = tf.nest.map_structure(
-        lambda t: None if t is None else _slicing.twice(t), batch)
+        lambda t: None if t is None else _rows.twice(t), batch)
     out = []
     for data, repeat in ((batch, False), (doubled, True)):
         call, leaves = _pruned(model, data, repeat, training)

@@ -9,7 +9,6 @@ from keras_mirror import _compat
 from keras_mirror.steps import _batchnorm
 from keras_mirror.steps import _metric_weights
 from keras_mirror.steps import _random
-from keras_mirror.steps import _stand_in
 
 
 @contextlib.contextmanager
@@ -46,10 +45,8 @@ def replica_scope(mirrored, own_step=False):
             mirrored._step_state.first_time))
         stack.enter_context(_metric_weights.replica_weights(
             mirrored._inner, sums, own_step=own_step))
-        if layers.synchronized:
-            stack.enter_context(_stand_in.exclude_from_moments())
-        if layers.global_plain:
-            stack.enter_context(_batchnorm.global_moments())
+        if layers.forward_collectives:
+            stack.enter_context(_batchnorm.global_statistics(layers))
         yield
     warn_stateful_draws(mirrored, graph, version)
 

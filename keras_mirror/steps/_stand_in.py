@@ -21,9 +21,9 @@ is 0, `share` 0), and the stand-in counts for nothing anywhere:
 - no metric update a replica makes (Keras's compiled metrics, a user's own
   `metric.update_state` in their step) runs on a stand-in replica
   (`_metric_weights.replica_weights`);
-- synchronized BatchNormalization's cross-replica sums and counts leave it
-  out (`exclude_from_moments`); the moving statistics kept are replica 0's,
-  which always holds real rows;
+- BatchNormalization's cross-replica sums and counts (synchronized, and
+  plain with `batchnorm="global"`) leave it out (`_batchnorm`); the moving
+  statistics kept are replica 0's, which always holds real rows;
 - its `keras.random` draws advance the seed generators exactly as every
   other replica's (the same code runs), so the generators' state after the
   step is one device's;
@@ -46,7 +46,6 @@ so real data again), counting for nothing as above, row by row:
   no real row's draw.
 """
 
-import contextlib
 import logging
 import weakref
 
@@ -54,9 +53,8 @@ import keras
 import tensorflow as tf
 
 from keras_mirror import _compat
+from keras_mirror.distribute import _rows
 from keras_mirror.replica_context import active
-from keras_mirror.replica_context import summed
-from keras_mirror.steps import _slicing
 
 # Each replica's rows in training, where oneDNN runs a model with a
 # convolution, are a multiple of 2. Measured on TF 2.21, one CPU device,
@@ -102,11 +100,9 @@ def row_multiple(model, devices, reductions=None):
 
 def _onednn_convolutions(model, devices):
     """Whether `model`'s convolutions run oneDNN's CPU kernels here."""
-    from keras_mirror.wrapper import _rebuild
-
     return all("CPU" in str(d).upper() for d in devices) and any(
         isinstance(layer, _CONVOLUTIONS)
-        for layer in _rebuild.all_layers(model)) and _compat.onednn_enabled()
+        for layer in _compat.layers_within(model)) and _compat.onednn_enabled()
 
 
 def warn_unpadded_own_step(model, devices):
@@ -142,16 +138,16 @@ def bounds(sizes, multiple=1):
 def shard(t, start, run, global_rows=None):
     """Rows `[start, start + run)` of `t` (dense, sparse or ragged).
 
-    Its row count stays dynamic (`_slicing.rows`): a shard whose row count
+    Its row count stays dynamic (`_rows.rows`): a shard whose row count
     is static would let Keras skip a loss reduction on it. With
     `global_rows` (padded shards) the rows wrap around the global batch:
-    row `(start + i) % global_rows` (`_slicing.cyclic_rows`).
+    row `(start + i) % global_rows` (`_rows.cyclic_rows`).
     """
     if t is None:  # an optional input given None, as on one device
         return None
     if global_rows is not None:
-        return _slicing.cyclic_rows(t, start, run, global_rows)
-    return _slicing.rows(t, start, run)
+        return _rows.cyclic_rows(t, start, run, global_rows)
+    return _rows.rows(t, start, run)
 
 
 def unpadded(structure, rows):
@@ -162,10 +158,10 @@ def unpadded(structure, rows):
     def cut(t):
         if t is None:
             return None
-        out = _slicing.rows(t, 0, keep)
+        out = _rows.rows(t, 0, keep)
         mask = _compat.get_mask(t) if isinstance(t, tf.Tensor) else None
         if mask is not None:
-            _compat.set_mask(out, _slicing.rows(mask, 0, keep))
+            _compat.set_mask(out, _rows.rows(mask, 0, keep))
         return out
 
     return tf.nest.map_structure(cut, structure)
@@ -214,53 +210,3 @@ def unless_stand_in(fn):
         return tf.cond(stand_in, lambda: tf.constant(False), update)
 
     return guarded
-
-
-def _moments_sync(original):
-    """Keras's synchronized moments, a stand-in replica's rows left out.
-
-    The arithmetic of `keras.src.backend.tensorflow.nn._compute_moments_sync`
-    (global sums of the values, their squares and the counts), each stand-in
-    row's terms multiplied by 0 and each shard row's by 1 (`row_keep`).
-    """
-
-    def moments(x, axes, keepdims):
-        replica_ctx = tf.distribute.get_replica_context()
-        stand_in = is_stand_in()
-        if not replica_ctx or stand_in is None or \
-                replica_ctx.num_replicas_in_sync == 1:
-            return original(x, axes, keepdims)
-        keep = row_keep(x) if _on_batch_axis(x, axes) else tf.cast(
-            tf.logical_not(stand_in), x.dtype)
-        local_sum = tf.reduce_sum(x * keep, axis=axes, keepdims=True)
-        local_squares = tf.reduce_sum(tf.square(x) * keep, axis=axes,
-                                      keepdims=True)
-        local_count = tf.reduce_sum(tf.ones_like(x) * keep, axis=axes,
-                                    keepdims=True)
-        total, squares, count = (
-            summed(t) for t in (local_sum, local_squares, local_count))
-        mean = tf.math.divide_no_nan(total, count)
-        variance = tf.maximum(
-            tf.math.divide_no_nan(squares, count) - tf.square(mean), 0.0)
-        if not keepdims:
-            mean = tf.squeeze(mean, axes)
-            variance = tf.squeeze(variance, axes)
-        return mean, variance
-
-    return moments
-
-
-def _on_batch_axis(x, axes):
-    rank = x.shape.rank
-    return rank is not None and 0 in [
-        int(a) % rank for a in tf.nest.flatten(axes)]
-
-
-@contextlib.contextmanager
-def exclude_from_moments():
-    """Within the block, synchronized BatchNorm leaves stand-ins out."""
-    module = _compat.moments_module()
-    original = getattr(module, _compat.SYNC_MOMENTS)
-    with _compat.replaced(module, {
-            _compat.SYNC_MOMENTS: _moments_sync(original)}):
-        yield

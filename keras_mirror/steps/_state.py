@@ -33,7 +33,7 @@ class StepState:
         capacity: the split capacity of `"per_replica"` batches
             (`_capacity`; None: the balanced split of a global batch).
         last_replica_logs: the last step's `replica_*` vectors
-            (`callbacks/_replica_logs.remember`).
+            (`callbacks/_replica_stats.remember`).
         batchnorm: the model's BatchNorm `_batchnorm.Kinds` (None: to be
             decided; reset by each compile).
         adopted: the model's compile state the wrapper last adopted

@@ -20,9 +20,9 @@ import warnings
 import tensorflow as tf
 
 from keras_mirror import _compat
-from keras_mirror.callbacks import _replica_logs
+from keras_mirror.steps import _replica_stats
 
-REPLICA_KEYS = _replica_logs.STAT_KEYS
+REPLICA_KEYS = _replica_stats.STAT_KEYS
 
 
 def _first_leaf(structure):
@@ -258,7 +258,7 @@ def pack_stats(per_replica, keys=REPLICA_KEYS):
 
     `per_replica` holds one dict of scalars per replica, with at least
     `keys` (the model's `_stat_keys()`); the matrix goes into the logs
-    under `_replica_logs.PACKED` (see there for why one tensor).
+    under `_replica_stats.PACKED` (see there for why one tensor).
     """
     scalars = [tf.cast(stats[k], tf.float32)
                for stats in per_replica for k in keys]

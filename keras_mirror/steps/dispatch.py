@@ -7,9 +7,9 @@ base class). Both run under the same runner, on `tf.distribute`, on every
 device kind; neither imports this module.
 """
 
-from keras_mirror.callbacks import _replica_logs
 from keras_mirror.distribute import _worker_input
 from keras_mirror.steps import _probing
+from keras_mirror.steps import _replica_stats
 from keras_mirror.steps import _xla
 from keras_mirror.steps import own_step
 from keras_mirror.steps import strategy
@@ -24,7 +24,7 @@ class StepDispatch(strategy.ReplicaSteps):
         Read when the step is traced (as `on_nonfinite` is).
         """
         if self._replica_stats:
-            return _replica_logs.STAT_KEYS
+            return _replica_stats.STAT_KEYS
         if self.on_nonfinite != "warn":
             return ("replica_nonfinite",)
         return ()
@@ -48,7 +48,7 @@ class StepDispatch(strategy.ReplicaSteps):
         """Keras's train function, returning the `replica_*` vectors.
 
         The built-in step packs its per-replica statistics into one tensor
-        (`_replica_logs.PACKED`); the returned function splits it, so every
+        (`_replica_stats.PACKED`); the returned function splits it, so every
         caller of `train_function` (fit, train_on_batch) sees the vectors,
         and keeps them for `last_replica_logs`. `train_on_batch` and the
         callbacks that did not opt in see plain Keras's keys only.
@@ -57,7 +57,7 @@ class StepDispatch(strategy.ReplicaSteps):
             return self.train_function
         super().make_train_function(force=force)
         self.train_function = _probing.first_call(
-            self, _replica_logs.unpacking(self.train_function,
+            self, _replica_stats.unpacking(self.train_function,
                                           self._stat_keys(), owner=self))
         return self.train_function
 

@@ -41,13 +41,13 @@ import tensorflow as tf
 from keras_mirror import _compat
 from keras_mirror import allreduce
 from keras_mirror import split
+from keras_mirror.distribute import _rows
 from keras_mirror.replica_context import ReplicaContext
 from keras_mirror.replica_context import activate
 from keras_mirror.replica_context import active
 from keras_mirror.steps import _metric_weights
 from keras_mirror.steps import _mixing
 from keras_mirror.steps import _scope
-from keras_mirror.steps import _slicing
 from keras_mirror.steps import _stand_in
 from keras_mirror.steps import _tape
 
@@ -176,7 +176,7 @@ def _with_shard(data, flat, present, shard):
 
 
 def _run(mirrored, data, method):
-    own_rows = _slicing.is_per_replica(data)
+    own_rows = _rows.is_per_replica(data)
     if own_rows:  # each replica's rows, as it received them
         flat = tf.nest.flatten(data)
         present = [i for i, t in enumerate(flat) if t is not None]

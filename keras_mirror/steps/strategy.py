@@ -14,7 +14,7 @@ import tensorflow as tf
 from keras_mirror import _compat
 from keras_mirror import allreduce
 from keras_mirror import split
-from keras_mirror.callbacks import _replica_logs
+from keras_mirror.distribute import _rows
 from keras_mirror.replica_context import ReplicaContext
 from keras_mirror.replica_context import activate
 from keras_mirror.replica_context import active
@@ -22,8 +22,8 @@ from keras_mirror.steps import _one_trace
 from keras_mirror.steps import _one_update
 from keras_mirror.steps import _own_rows
 from keras_mirror.steps import _reductions
+from keras_mirror.steps import _replica_stats
 from keras_mirror.steps import _scope
-from keras_mirror.steps import _slicing
 from keras_mirror.steps import _stand_in
 from keras_mirror.steps import _xla
 from keras_mirror.steps import arithmetic
@@ -299,7 +299,7 @@ class ReplicaSteps:
     def train_step(self, data):
         x, y, sw = keras.utils.unpack_x_y_sample_weight(data)
         packed, present = self._pack(x, y, sw)
-        own_rows = _slicing.is_per_replica(packed)
+        own_rows = _rows.is_per_replica(packed)
         if own_rows:
             # Each replica's rows as it received them: not padded (the rows
             # after a shard are another worker's); see docs/onednn.md.
@@ -324,7 +324,7 @@ class ReplicaSteps:
             x, y, sw = _own_rows.targets_of(self, packed, present)
         logs = self._track(x, y, y_pred, sw, self._first(loss), rows)
         if stats is not None:
-            logs[_replica_logs.PACKED] = self._gather(stats)
+            logs[_replica_stats.PACKED] = self._gather(stats)
         return logs
 
     def _run_train(self, shards, present, rows, start, sizes, multiple=1,

@@ -21,7 +21,6 @@ from keras_mirror.steps import _batchnorm
 from keras_mirror.steps import own_step
 from keras_mirror.wrapper import _arguments
 from keras_mirror.wrapper import _own_step_applies
-from keras_mirror.wrapper import _rebuild
 
 # Every reduction Keras's `Loss` defines; each is weighted exactly.
 KERAS_REDUCTIONS = ("sum_over_batch_size", "mean", "sum",
@@ -104,7 +103,7 @@ class _CompileState:
 
 def _trainable_state(model):
     return {layer.name: layer.trainable
-            for layer in [model] + _rebuild.all_layers(model)}
+            for layer in _compat.layers_within(model)}
 
 
 def follow(mirrored):

@@ -15,7 +15,7 @@ import keras
 import numpy as np
 import tensorflow as tf
 
-from keras_mirror.steps import _slicing
+from keras_mirror.distribute import _rows
 from keras_mirror.wrapper import _first
 
 
@@ -30,21 +30,6 @@ def prepare(mirrored, x, y, sample_weight, batch_size, steps_per_epoch,
     return steps, first_batch(x, y, sample_weight,
                               shapes_only=mirrored._inner.built,
                               first=first)
-
-
-def is_array(x):
-    return all(isinstance(t, (np.ndarray, tf.Tensor, tf.SparseTensor,
-                              tf.RaggedTensor))
-               for t in tf.nest.flatten(x) if t is not None) and x is not None
-
-
-def first_leaf(x):
-    """`x`'s first leaf that is not None (None: an optional input)."""
-    return next(t for t in tf.nest.flatten(x) if t is not None)
-
-
-def num_rows(x):
-    return int(first_leaf(x).shape[0])
 
 
 def _zeros_like_spec(spec):
@@ -130,7 +115,7 @@ def _head(t, shapes_only):
     if shapes_only and isinstance(t, (np.ndarray, tf.Tensor)):
         return tf.TensorSpec((None,) + tuple(t.shape[1:]),
                              tf.as_dtype(t.dtype))
-    return _slicing.head(t, 1)
+    return _rows.head(t, 1)
 
 
 def count_steps(x, batch_size, steps_per_epoch, validation_split=0.0):
@@ -143,7 +128,7 @@ def count_steps(x, batch_size, steps_per_epoch, validation_split=0.0):
     if isinstance(x, keras.utils.PyDataset):
         return x.num_batches
     leaves = [t for t in tf.nest.flatten(x) if t is not None]
-    if leaves and is_array(x):
+    if leaves and _rows.is_array(x):
         rows = int(leaves[0].shape[0])
         if validation_split:
             rows = int(math.floor(rows * (1.0 - validation_split)))
@@ -154,6 +139,6 @@ def count_steps(x, batch_size, steps_per_epoch, validation_split=0.0):
 def is_generator(x):
     """A Python generator or iterator (not arrays, a dataset or PyDataset)."""
     return isinstance(x, collections.abc.Iterator) and not isinstance(
-        x, (tf.data.Dataset, keras.utils.PyDataset)) and not is_array(x)
+        x, (tf.data.Dataset, keras.utils.PyDataset)) and not _rows.is_array(x)
 
 

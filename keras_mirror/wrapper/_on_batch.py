@@ -18,8 +18,8 @@ it with the same message.
 
 import numpy as np
 
-from keras_mirror.callbacks import _replica_logs
 from keras_mirror.callbacks import replica_history
+from keras_mirror.steps import _replica_stats
 from keras_mirror.wrapper import _compile
 
 
@@ -38,8 +38,8 @@ def plain(mirrored, kind, run):
         logs = function(data)
         seen.update(logs)
         if kind == "test":  # a model's own `test_step` has vectors too
-            _replica_logs.remember(mirrored, logs)
-        return _replica_logs.strip(logs)
+            _replica_stats.remember(mirrored, logs)
+        return _replica_stats.strip(logs)
 
     setattr(mirrored, attribute, stripped)
     try:

@@ -81,7 +81,7 @@ def check_weights_exist(model):
 
 def stateful_layers(model):
     """Names of the model's stateful RNN layers (`stateful=True`)."""
-    return [layer.name for layer in all_layers(model)
+    return [layer.name for layer in _compat.layers_within(model)
             if getattr(layer, "stateful", False) is True]
 
 
@@ -106,21 +106,6 @@ def check_not_stateful(model, local_replicas, cluster=None):
         "have to share. Train it on one device, or use `stateful=False` "
         "(each batch starts from a zero state). Received: model with "
         f"stateful layers {names} and {replicas}")
-
-
-def all_layers(model):
-    out, stack, seen = [], list(getattr(model, "layers", [])), set()
-    while stack:
-        layer = stack.pop(0)
-        if id(layer) in seen:
-            continue
-        seen.add(id(layer))
-        out.append(layer)
-        stack.extend(getattr(layer, "layers", []) or [])
-        stack.extend(getattr(layer, name) for name in (
-            "forward_layer", "backward_layer", "layer")
-            if isinstance(getattr(layer, name, None), keras.layers.Layer))
-    return out
 
 
 def expected_inputs(model):

@@ -6,9 +6,9 @@ A mixin of `MirroredModel` (as Keras's `Model` takes `fit` from its
 
 from keras_mirror import allreduce
 from keras_mirror import split
-from keras_mirror.callbacks import _replica_logs
 from keras_mirror.distribute import _multi_worker
 from keras_mirror.steps import _execution
+from keras_mirror.steps import _replica_stats
 from keras_mirror.wrapper import _arguments
 
 
@@ -88,7 +88,7 @@ class ReplicaAttributes:
         return exactly what plain Keras returns; this is where their
         per-replica values are.
         """
-        return _replica_logs.last_logs(self)
+        return _replica_stats.last_logs(self)
 
     @property
     def batch_mode(self):

@@ -32,7 +32,7 @@ import contextlib
 import functools
 
 from keras_mirror import _compat
-from keras_mirror.wrapper import _files
+from keras_mirror.distribute import _files
 
 
 def _forwarded(name):
@@ -60,14 +60,6 @@ class UserModelState:
     stop_training = _forwarded("stop_training")
     history = _forwarded("history")
     _initial_epoch = _forwarded(_compat.INITIAL_EPOCH)
-
-
-def callback_model(callback, mirrored):
-    """The model `callback` sees: the user's, or keras-mirror's wrapper."""
-    if getattr(callback, "_wants_wrapper", False):
-        return mirrored
-    inner = mirrored.__dict__.get("_inner")
-    return mirrored if inner is None else inner
 
 
 def _routed(mirrored, method, original):

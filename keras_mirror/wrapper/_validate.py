@@ -17,6 +17,7 @@ import numpy as np
 import tensorflow as tf
 
 from keras_mirror import _compat
+from keras_mirror.distribute import _rows
 from keras_mirror.wrapper import _arguments
 from keras_mirror.wrapper import _first
 
@@ -44,8 +45,8 @@ def check_fit(mirrored, x, y, batch_size, epochs, steps_per_epoch,
     check_input("x", x)
     _check_some_input(mirrored._inner, x)
     _check_string(x)
-    refuse_endless("x", x, "steps_per_epoch", steps_per_epoch)
-    refuse_endless("validation_data", validation_data, "validation_steps",
+    _rows.refuse_endless("x", x, "steps_per_epoch", steps_per_epoch)
+    _rows.refuse_endless("validation_data", validation_data, "validation_steps",
                    kwargs.get("validation_steps"))
     _positive_int("batch_size", batch_size)
     _positive_int("steps_per_epoch", steps_per_epoch)
@@ -66,7 +67,7 @@ def check_evaluate(mirrored, x, batch_size, kwargs):
     check_input("x", x)
     _check_some_input(mirrored._inner, x)
     _check_string(x)
-    refuse_endless("x", x, "steps", kwargs.get("steps"))
+    _rows.refuse_endless("x", x, "steps", kwargs.get("steps"))
     _positive_int("batch_size", batch_size)
     check_sample_weight_type(kwargs.get("sample_weight"))
     refuse_hint("x", x)
@@ -77,7 +78,7 @@ def check_predict(x, batch_size, kwargs):
     check_input("x", x)
     _positive_int("batch_size", batch_size)
     _check_string(x)
-    refuse_endless("x", x, "steps", kwargs.get("steps"))
+    _rows.refuse_endless("x", x, "steps", kwargs.get("steps"))
     refuse_hint("x", x)
 
 
@@ -177,22 +178,6 @@ def _check_string(x, name="x"):
 def short(value):
     text = repr(value)
     return text if len(text) <= 60 else text[:57] + "..."
-
-
-def refuse_endless(name, x, steps_name, steps):
-    """Refuses an endless dataset (`repeat()`) without a step count: Keras
-    would read it forever, the epoch never ending (TF 2's Keras refused it
-    so). `x` may also be a list of the virtual shards of an `input_fn`."""
-    shards = x if isinstance(x, list) else [x]
-    if steps is None and any(
-            isinstance(s, tf.data.Dataset) and
-            int(s.cardinality()) == tf.data.INFINITE_CARDINALITY
-            for s in shards):
-        raise ValueError(
-            f"`{steps_name}` must be given for an endless `{name}` (a "
-            "dataset repeated forever, `.repeat()`): without it the epoch "
-            f"never ends. Pass `{steps_name}=...`, or repeat the dataset a "
-            f"finite number of times. Received: {steps_name}=None")
 
 
 def check_sample_weight_type(sample_weight):

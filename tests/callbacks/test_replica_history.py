@@ -13,8 +13,9 @@ import keras_mirror
 from keras_mirror.callbacks import _replica_logs
 from keras_mirror.callbacks import replica_history
 from keras_mirror.callbacks.replica_history import StepHistory
+from keras_mirror.steps import _replica_stats
 
-NAMES = tuple(k[len("replica_"):] for k in _replica_logs.STAT_KEYS)
+NAMES = tuple(k[len("replica_"):] for k in _replica_stats.STAT_KEYS)
 
 
 def _packed(step, replicas=3):
@@ -30,29 +31,29 @@ def _packed(step, replicas=3):
 
 
 def test_unpack_splits_the_packed_matrix_into_vectors():
-    logs = _replica_logs.unpack({"loss": 1.5,
-                                 _replica_logs.PACKED: _packed(2)})
-    assert list(logs) == ["loss", *_replica_logs.STAT_KEYS]
-    for j, key in enumerate(_replica_logs.STAT_KEYS):
+    logs = _replica_stats.unpack({"loss": 1.5,
+                                 _replica_stats.PACKED: _packed(2)})
+    assert list(logs) == ["loss", *_replica_stats.STAT_KEYS]
+    for j, key in enumerate(_replica_stats.STAT_KEYS):
         expected = [0, 0, 0] if key == "replica_nonfinite" else [
             200 + j, 210 + j, 220 + j]
         assert logs[key].tolist() == expected
     plain = {"loss": 1.0, "replica_d_loss": np.ones(2)}
-    assert _replica_logs.unpack(plain) is plain
+    assert _replica_stats.unpack(plain) is plain
 
 
 def test_unpack_with_fewer_keys_and_a_mismatch():
     # `replica_stats=False` with on_nonfinite="skip_step" packs one column.
     one = np.array([[0.0], [3.0], [0.0]], np.float32)
-    logs = _replica_logs.unpack({"loss": 1.0, _replica_logs.PACKED: one},
+    logs = _replica_stats.unpack({"loss": 1.0, _replica_stats.PACKED: one},
                                 ("replica_nonfinite",))
     assert list(logs) == ["loss", "replica_nonfinite"]
     assert logs["replica_nonfinite"].tolist() == [0, 3, 0]
     with pytest.raises(ValueError) as info:
-        _replica_logs.unpack({_replica_logs.PACKED: one})
+        _replica_stats.unpack({_replica_stats.PACKED: one})
     assert str(info.value) == (
         "The packed per-replica statistics have 1 columns; expected one "
-        f"per key of {_replica_logs.STAT_KEYS}.")
+        f"per key of {_replica_stats.STAT_KEYS}.")
 
 
 def _recorder(replicas=3, on_nonfinite="warn"):
@@ -65,8 +66,8 @@ def test_step_history_reads_like_a_list_of_dicts():
     mirrored, recorder = _recorder()
     recorder.on_epoch_begin(0)
     for step in range(4):
-        recorder.on_train_batch_end(step, _replica_logs.unpack(
-            {"loss": 0.0, _replica_logs.PACKED: _packed(step)}))
+        recorder.on_train_batch_end(step, _replica_stats.unpack(
+            {"loss": 0.0, _replica_stats.PACKED: _packed(step)}))
     steps = mirrored.replica_history["batch"]
     assert isinstance(steps, StepHistory) and len(steps) == 4
     assert steps[1] == {n: [0, 0, 0] if n == "nonfinite" else
@@ -96,8 +97,8 @@ def test_epoch_values_aggregate_the_epoch_steps_only():
             matrix[:, NAMES.index("loss")] = [step + 1, 10 * epoch]
             matrix[:, NAMES.index("samples")] = rows
             matrix[:, NAMES.index("grad_norm")] = [2 * step, 4]
-            recorder.on_train_batch_end(step, _replica_logs.unpack(
-                {_replica_logs.PACKED: matrix}))
+            recorder.on_train_batch_end(step, _replica_stats.unpack(
+                {_replica_stats.PACKED: matrix}))
         logs = {}
         recorder.on_epoch_end(epoch, logs)
         # Sample-weighted loss, summed samples, mean norm, per replica.
@@ -176,7 +177,7 @@ def test_history_and_csv_logger_see_plain_keras_keys(cpus, tmp_path):
         "epoch", "loss", "mae", "val_loss", "val_mae"]
     assert m_keys == p_keys
     # The opt-in sees the vectors, and the epoch values per replica.
-    assert m_opted == p_keys | set(_replica_logs.STAT_KEYS)
+    assert m_opted == p_keys | set(_replica_stats.STAT_KEYS)
     assert mirrored.replica_history["samples"] == [[7, 7, 5, 4]] * 2
 
 
@@ -186,7 +187,7 @@ def test_wants_replica_logs_is_the_opt_in():
     assert _replica_logs.wants_replica_logs(_OptedIn())
     assert _replica_logs.wants_replica_logs(
         replica_history.ReplicaHistory(types.SimpleNamespace()))
-    assert _replica_logs.strip(
+    assert _replica_stats.strip(
         {"loss": 1, "replica_loss": 2, "val_replica_loss": 3,
          "val_loss": 4}) == {"loss": 1, "val_loss": 4}
 

@@ -19,7 +19,7 @@ from support.helpers import own_step_model
 from support.helpers import summary_cells
 
 import keras_mirror
-from keras_mirror.callbacks import _replica_logs
+from keras_mirror.steps import _replica_stats
 
 # Each test runs on both execution paths (conftest.py).
 pytestmark = pytest.mark.usefixtures("execution")
@@ -145,7 +145,7 @@ def test_raise_still_raises_without_statistics(cpus):
 
 def test_summary_names_the_statistics(cpus):
     for stats, on_nonfinite, line in (
-            (True, "warn", ", ".join(_replica_logs.STAT_KEYS)),
+            (True, "warn", ", ".join(_replica_stats.STAT_KEYS)),
             (False, "warn", "none (replica_stats=False)"),
             (False, "raise", "replica_nonfinite (replica_stats=False)")):
         mirrored = keras_mirror.MirroredModel(

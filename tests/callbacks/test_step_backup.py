@@ -2,7 +2,7 @@
 worker of a real 2-worker run is SIGKILLed mid-epoch and the launcher
 restarts the group.
 
-Also the tests of `keras_mirror/wrapper/_resume.py`.
+Also the tests of `keras_mirror/callbacks/_resume.py`.
 """
 
 import json

@@ -2,11 +2,11 @@
 
 Plain Keras trains on a sparse input (`keras.Input(sparse=True)`); the
 steps cut it into the replicas' shards with `tf.sparse.slice`
-(`steps/_slicing.py`). Uneven and empty shards included, the weights equal
+(`steps/_rows.py`). Uneven and empty shards included, the weights equal
 single-device training within 1e-5 on both execution paths, and
 `evaluate` and `predict` agree with plain Keras.
 
-Also the tests of `keras_mirror/steps/_slicing.py`.
+Also the tests of `keras_mirror/steps/_rows.py`.
 """
 
 import keras

@@ -11,11 +11,11 @@ from support.helpers import max_diff
 from support.helpers import mlp
 
 import keras_mirror
+from keras_mirror.distribute import _rows
 from keras_mirror.wrapper import _first
 from keras_mirror.wrapper import _grouping
 from keras_mirror.wrapper import _inputs
 from keras_mirror.wrapper import _rebuild
-from keras_mirror.wrapper import _validate
 
 
 def _counting(dataset):
@@ -197,8 +197,8 @@ def test_refuse_endless_reads_cardinality_only():
     finite = tf.data.Dataset.range(3)
     unknown = finite.filter(lambda v: v > 0)
     for x in (finite, unknown, [finite, unknown], np.zeros(3), None):
-        _validate.refuse_endless("x", x, "steps", None)
+        _rows.refuse_endless("x", x, "steps", None)
     with pytest.raises(ValueError, match="Received: steps=None"):
-        _validate.refuse_endless("x", [finite, finite.repeat()], "steps",
+        _rows.refuse_endless("x", [finite, finite.repeat()], "steps",
                                None)
-    _validate.refuse_endless("x", finite.repeat(), "steps", 2)
+    _rows.refuse_endless("x", finite.repeat(), "steps", 2)

@@ -27,8 +27,7 @@ import keras
 import numpy as np
 import tensorflow as tf
 
-from keras_mirror.steps import _slicing
-from keras_mirror.wrapper import _inputs
+from keras_mirror.distribute import _rows
 
 Segment = collections.namedtuple(
     "Segment", ["skip", "first_epoch", "end_epoch", "steps_per_epoch"])
@@ -40,17 +39,17 @@ def split_validation(x, y, kwargs):
     fraction = kwargs.pop("validation_split", 0.0)
     if not fraction or kwargs.get("validation_data") is not None:
         return x, y, kwargs
-    if not _inputs.is_array(x):
+    if not _rows.is_array(x):
         raise ValueError(
             "`validation_split` is only supported for arrays. "
             f"Received: x={type(x).__name__}")
     weights = kwargs.pop("sample_weight", None)
-    rows = _inputs.num_rows(x)
+    rows = _rows.num_rows(x)
     at = int(math.floor(rows * (1.0 - fraction)))
 
     def cut(t, start, end):
         return None if t is None else tf.nest.map_structure(
-            lambda a: _slicing.between(a, start, end), t)
+            lambda a: _rows.between(a, start, end), t)
 
     train = [cut(t, 0, at) for t in (x, y, weights)]
     kwargs["validation_data"] = tuple(cut(t, at, rows)
@@ -69,8 +68,8 @@ def num_batches(x, batch_size):
         return card if card >= 0 else -1
     if isinstance(x, keras.utils.PyDataset):
         return x.num_batches if x.num_batches is not None else -1
-    if _inputs.is_array(x):
-        return -(-_inputs.num_rows(x) // (batch_size or 32))
+    if _rows.is_array(x):
+        return -(-_rows.num_rows(x) // (batch_size or 32))
     return -1
 
 
@@ -163,7 +162,7 @@ def skip(x, y, kwargs, batches, batch_size):
         return x, y, kwargs
     if isinstance(x, tf.data.Dataset):
         return x.skip(batches), y, kwargs
-    if not _inputs.is_array(x) and \
+    if not _rows.is_array(x) and \
             not isinstance(x, keras.utils.PyDataset):
         raise ValueError(
             "StepBackup resumes inside an epoch by skipping the batches "
@@ -180,7 +179,7 @@ def skip(x, y, kwargs, batches, batch_size):
 
     def cut(t):
         return None if t is None else tf.nest.map_structure(
-            lambda a: _slicing.between(a, rows), t)
+            lambda a: _rows.between(a, rows), t)
 
     if kwargs.get("sample_weight") is not None:
         kwargs["sample_weight"] = cut(kwargs["sample_weight"])

@@ -1,12 +1,16 @@
-"""Rows `[start, start + size)` of one input leaf: dense, sparse or ragged.
+"""An input by its rows: what kind it is, its rows, and a shard's rows.
 
-The steps cut each global batch into the replicas' shards by rows. A dense
-tensor is sliced and its row count hidden from static shape inference (a
-shard statically of 0 rows would make Keras skip the loss reduction); a
-`tf.sparse.SparseTensor` goes through `tf.sparse.slice`, keeping its
-static non-row dimensions; a `tf.RaggedTensor` slices by rows natively.
+Every layer above reads input through these: whether `x` is arrays, how
+many rows it has, whether a dataset ends, and rows `[start, start + size)`
+of one input leaf, dense, sparse or ragged. The steps cut each global
+batch into the replicas' shards by rows. A dense tensor is sliced and its
+row count hidden from static shape inference (a shard statically of 0 rows
+would make Keras skip the loss reduction); a `tf.sparse.SparseTensor` goes
+through `tf.sparse.slice`, keeping its static non-row dimensions; a
+`tf.RaggedTensor` slices by rows natively.
 """
 
+import numpy as np
 import tensorflow as tf
 
 
@@ -81,3 +85,34 @@ def is_per_replica(data):
     leaves = [t for t in tf.nest.flatten(data) if t is not None]
     return bool(leaves) and isinstance(leaves[0],
                                        tf.distribute.DistributedValues)
+
+
+def is_array(x):
+    return all(isinstance(t, (np.ndarray, tf.Tensor, tf.SparseTensor,
+                              tf.RaggedTensor))
+               for t in tf.nest.flatten(x) if t is not None) and x is not None
+
+
+def first_leaf(x):
+    """`x`'s first leaf that is not None (None: an optional input)."""
+    return next(t for t in tf.nest.flatten(x) if t is not None)
+
+
+def num_rows(x):
+    return int(first_leaf(x).shape[0])
+
+
+def refuse_endless(name, x, steps_name, steps):
+    """Refuses an endless dataset (`repeat()`) without a step count: Keras
+    would read it forever, the epoch never ending (TF 2's Keras refused it
+    so). `x` may also be a list of the virtual shards of an `input_fn`."""
+    shards = x if isinstance(x, list) else [x]
+    if steps is None and any(
+            isinstance(s, tf.data.Dataset) and
+            int(s.cardinality()) == tf.data.INFINITE_CARDINALITY
+            for s in shards):
+        raise ValueError(
+            f"`{steps_name}` must be given for an endless `{name}` (a "
+            "dataset repeated forever, `.repeat()`): without it the epoch "
+            f"never ends. Pass `{steps_name}=...`, or repeat the dataset a "
+            f"finite number of times. Received: {steps_name}=None")
