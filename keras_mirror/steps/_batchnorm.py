@@ -88,7 +88,9 @@ def global_moments():
     module = _compat.moments_module()
     original = getattr(module, _compat.LOCAL_MOMENTS)
     with _compat.replaced(module, {
-            _compat.LOCAL_MOMENTS: _global(original)}):
+            _compat.LOCAL_MOMENTS: _global(original)},
+            reason="plain BatchNorm's moments are the global batch's, as on "
+            "one device"):
         yield
 
 

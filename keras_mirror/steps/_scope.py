@@ -6,6 +6,7 @@ import warnings
 import tensorflow as tf
 
 from keras_mirror import _compat
+from keras_mirror.distribute import _homes
 from keras_mirror.steps import _batchnorm
 from keras_mirror.steps import _metric_weights
 from keras_mirror.steps import _random
@@ -17,7 +18,8 @@ def replica_scope(mirrored, own_step=False):
     """One device's losses, random draws and metric weights, per replica
     (`own_step`: in a model's own step, Keras's built-in one otherwise).
 
-    Only what the model needs is replaced (`docs/architecture.md` lists
+    Yields the `_metric_weights.Produced` of the metrics' results. Only
+    what the model needs is replaced (`docs/architecture.md` lists
     each replacement and its reason):
 
     - Keras does not divide losses by the replica count
@@ -42,15 +44,19 @@ def replica_scope(mirrored, own_step=False):
     version = graph.version
     with contextlib.ExitStack() as stack:
         stack.enter_context(_compat.unscaled_losses())
+        if not own_step:  # the steps all-reduce gradients, exactly once
+            for optimizer in _homes.optimizers_of(mirrored._inner):
+                stack.enter_context(
+                    _compat.disable_optimizer_allreduce(optimizer))
         stack.enter_context(_random.exact_draws(
             mirrored._step_state.first_time))
-        stack.enter_context(_metric_weights.replica_weights(
+        produced = stack.enter_context(_metric_weights.replica_weights(
             mirrored._inner, sums, own_step=own_step))
         if layers.synchronized:
             stack.enter_context(_stand_in.exclude_from_moments())
         if layers.global_plain:
             stack.enter_context(_batchnorm.global_moments())
-        yield
+        yield produced
     warn_stateful_draws(mirrored, graph, version)
 
 
