@@ -84,7 +84,8 @@ _SCALARS = ("`int(model.optimizer.iterations)` (a Keras variable converts "
 
 def _scalar_conversions(cls):
     """Within the block, a distributed variable class has `int()`,
-    `float()` and `complex()` (those it lacks; see `_seam`).
+    `float()` and `complex()` (those it lacks), through the seam
+    (`_compat.replaced`).
 
     A Keras variable converts to a Python scalar through its backing
     (`int(self.value)`): TensorFlow's variable converts its value, but its

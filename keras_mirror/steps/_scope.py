@@ -25,6 +25,9 @@ def replica_scope(mirrored, own_step=False):
     - Keras does not divide losses by the replica count
       (`_compat.unscaled_losses`): each replica computes its shard's own
       loss and keras-mirror weights it;
+    - in Keras's built-in step, the optimizers do not all-reduce the
+      gradients (`_compat.disable_optimizer_allreduce`): the step has,
+      once (a model's own step enters `own_step.optimizer_hooks`);
     - `keras.random` draws give one device's numbers (`_random`);
     - the metrics a replica updates weigh it as one device would
       (`_metric_weights`: an output's loss that is a batch sum as a sum)
