@@ -65,7 +65,7 @@ class ReplicaContext:
     def __init__(self, replica_id, num_replicas, shard_size,
                  global_batch_size, distributed=False, options=None,
                  gradient_dtype=None, offset=None,
-                 shares_after_gradient=False, traced_once=False,
+                 shares_after_gradient=False, traced_once=None,
                  compiled=False, run_rows=None):
         self.replica_id = replica_id
         # The rows the replica's model runs where a shard is padded with
@@ -74,8 +74,8 @@ class ReplicaContext:
         # Inside an XLA-compiled replica function: shapes must be known when
         # it compiles (`steps/_random.py` draws the global batch's rows).
         self._compiled = compiled
-        # Inside the built-in step's work traced once for all replicas
-        # (`steps/_one_trace.py`), where no replica can wait for another.
+        # Inside the built-in step's work traced once for all replicas, where
+        # no replica can wait for another: that trace's `_one_trace.Trial`.
         self._traced_once = traced_once
         # A model's own step: each replica's gradients are weighted by its
         # share when applied (`own_step`), not its loss before.
@@ -199,7 +199,7 @@ class ReplicaContext:
         stand-in of the result's shape, and the trace it is in is dropped:
         the step then traces its work per replica, where the call runs.
         """
-        if not self._traced_once:
+        if self._traced_once is None:
             return False
         note(CROSS_REPLICA_IN_ONE_TRACE)
         return True
@@ -216,24 +216,22 @@ CROSS_REPLICA_IN_ONE_TRACE = (
     "wait for inside a function traced once for all replicas")
 
 
-class _Trial(threading.local):
-    """The reasons noted while the single trace is made (None: none is)."""
-
-    reasons = None
-
-
-TRIAL = _Trial()
-
-
 def note(reason):
     """Notes, while work is traced once for all replicas, that one trace
-    cannot serve it (`steps/_one_trace.Traced.prepare` drops the trace)."""
-    if TRIAL.reasons is None:
-        raise RuntimeError(
-            f"keras-mirror: {reason}, outside the single trace of a "
-            "replica's work. This is a bug in keras-mirror; please report "
-            "it with the model.")
-    TRIAL.reasons.append(reason)
+    cannot serve it: in that trace's `steps/_one_trace.Trial`, which its
+    replica context holds (`Traced.prepare` then drops the trace)."""
+    context = active()
+    if context is None or context._traced_once is None:
+        raise outside_one_trace(reason)
+    context._traced_once.note(reason)
+
+
+def outside_one_trace(reason):
+    """The error for a `note` made where no single trace is being made."""
+    return RuntimeError(
+        f"keras-mirror: {reason}, outside the single trace of a replica's "
+        "work. This is a bug in keras-mirror; please report it with the "
+        "model.")
 
 
 def _stand_in_gather(context, value):

@@ -20,7 +20,6 @@ version range and the checks. Every name is re-exported here: callers write
 
 from keras_mirror._compat._base import SUPPORTED_KERAS as SUPPORTED_KERAS
 from keras_mirror._compat._base import _missing as _missing
-from keras_mirror._compat._base import _replace_method as _replace_method
 from keras_mirror._compat._base import _require as _require
 from keras_mirror._compat._base import check_backend as check_backend
 from keras_mirror._compat._base import (
@@ -30,6 +29,7 @@ from keras_mirror._compat._base import keras_version as keras_version
 from keras_mirror._compat._base import note_replaced as note_replaced
 from keras_mirror._compat._base import recording as recording
 from keras_mirror._compat._base import replaced as replaced
+from keras_mirror._compat._base import replaced_method as replaced_method
 from keras_mirror._compat.keras_backend import (
     _BACKEND_MODULE as _BACKEND_MODULE,
 )

@@ -55,31 +55,43 @@ def _require(owner, names, label, purpose):
             raise _missing(f"{label}.{name}", purpose)
 
 
-def _replace_method(obj, name, make_hook, purpose, owner=None):
-    """Sets `obj.<name>` to `make_hook(<the class's bound method>)`.
-
-    For as long as `obj` lives (an own-step optimizer's hooks, set at
-    compile); recorded as `owner.<name>` (see `recording`).
-    """
+@contextlib.contextmanager
+def replaced_method(obj, name, make_hook, purpose, reason, owner=None):
+    """Within the block, `obj.<name>` is `make_hook(<the class's bound
+    method>)` (an optimizer's hooks, around a replica step's trace);
+    recorded as `owner.<name>` with `reason` (see `replaced`)."""
     _require(obj, (name,), type(obj).__name__, purpose)
     original = getattr(type(obj), name).__get__(obj)
-    setattr(obj, name, make_hook(original))
-    _record(owner or type(obj).__name__, name)
+    with replaced(obj, {name: make_hook(original)}, reason,
+                  label=owner or type(obj).__name__):
+        yield
 
 
 # Every Keras or TF attribute keras-mirror replaces goes through `replaced`
-# (or `_replace_method`, `note_replaced`), which names it `<owner>.<name>`:
-# a module's import name, or for an object the Keras class that defines the
-# attribute. `docs/architecture.md` lists them; `tests/compat/test_base.py`
-# records what `fit` replaces for several models and checks that list
-# against it.
+# (or `note_replaced`, for state that follows a re-homed variable), which
+# names it `<owner>.<name>` (a module's import name, or for an object the
+# Keras class that defines the attribute) with its reason, and restores it
+# when the block is left: nothing is replaced for longer than the block
+# that needs it, nothing is added to a class for good.
+# `docs/architecture.md` lists them; `tests/compat/test_base.py` records
+# what `fit` replaces for several models and checks that list against it;
+# `tests/test_seam.py` checks that every class and module is as before.
 _RECORDS = []
+
+
+class Record(set):
+    """The labels replaced within a `recording()` block (a set), with
+    `reasons`: each label's reason."""
+
+    def __init__(self):
+        super().__init__()
+        self.reasons = {}
 
 
 @contextlib.contextmanager
 def recording():
     """Within the block, collects the label of every replacement made."""
-    seen = set()
+    seen = Record()
     _RECORDS.append(seen)
     try:
         yield seen
@@ -87,45 +99,54 @@ def recording():
         _RECORDS.remove(seen)
 
 
-def _record(owner, name):
+def _record(owner, name, reason):
+    if not reason:
+        raise ValueError(
+            "Every replacement of a Keras or TensorFlow attribute needs its "
+            f"reason. Received: reason={reason!r} for `{owner}.{name}`")
     for seen in _RECORDS:
         seen.add(f"{owner}.{name}")
+        seen.reasons[f"{owner}.{name}"] = reason
 
 
-def note_replaced(owner, name):
-    """Records a replacement made without `replaced` (a variable's backing,
-    swapped per variable)."""
-    if _RECORDS:
-        _record(owner, name)
+def note_replaced(owner, name, reason):
+    """Records a replacement made without `replaced`: state that follows a
+    variable's re-homing (its backing, an optimizer's index of them)."""
+    _record(owner, name, reason)
+
+
+_MISSING = object()
 
 
 @contextlib.contextmanager
-def replaced(owner, replacements, label=None):
+def replaced(owner, replacements, reason, label=None):
     """Within the block, `owner.<name>` is `replacements[name]`.
 
     `owner`: a module or a class (`setattr`), or an object (set with
-    `object.__setattr__`, out of Keras's attribute tracking). An attribute
-    a class or object did not hold itself is removed again, so that the
-    one it inherits is seen. `label`: the owner's name in the record
-    (default: a module's name).
+    `object.__setattr__`, out of Keras's attribute tracking). `reason`:
+    why, recorded with the label (see `recording`). On leaving, each
+    attribute is restored exactly: the very object the owner held itself
+    (a class's descriptor, not what `getattr` makes of it), and an
+    attribute it did not hold is removed again, so that the one it
+    inherits is seen. `label`: the owner's name in the record (default: a
+    module's or class's name).
     """
     label = label or getattr(owner, "__name__", type(owner).__name__)
     plain = isinstance(owner, (types.ModuleType, type))
     own = vars(owner)
-    saved = {name: getattr(owner, name) for name in replacements}
-    held = {name for name in replacements
-            if isinstance(owner, types.ModuleType) or name in own}
+    saved = {name: own.get(name, _MISSING) for name in replacements}
     put = setattr if plain else object.__setattr__
     try:
         for name, fn in replacements.items():
-            _record(label, name)
+            _record(label, name, reason)
             put(owner, name, fn)
-        yield saved
+        yield
     finally:
         for name, fn in saved.items():
-            if name in held:
+            if fn is not _MISSING:
                 put(owner, name, fn)
             elif plain:
-                delattr(owner, name)
+                if name in vars(owner):
+                    delattr(owner, name)
             else:
                 own.pop(name, None)

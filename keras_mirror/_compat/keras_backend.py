@@ -90,7 +90,9 @@ def set_backing(variable, tf_variable):
     """Makes `tf_variable` the one behind the Keras `variable`."""
     _check_variable_api(variable)
     setattr(variable, _VARIABLE_BACKING, tf_variable)
-    note_replaced("keras.Variable", _VARIABLE_BACKING)
+    note_replaced("keras.Variable", _VARIABLE_BACKING,
+                  "the variable's backing TF variable: the model trains on "
+                  "mirrored variables without a rebuild")
 
 
 def new_backing(variable, value):

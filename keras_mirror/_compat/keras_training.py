@@ -5,9 +5,10 @@ import contextlib
 import keras
 
 from keras_mirror._compat._base import _missing  # noqa: F401
-from keras_mirror._compat._base import _replace_method
 from keras_mirror._compat._base import _require
+from keras_mirror._compat._base import note_replaced
 from keras_mirror._compat._base import replaced
+from keras_mirror._compat._base import replaced_method
 
 # The TF backend's optimizer sums gradients across replicas inside `apply`
 # (`TFOptimizer._all_reduce_sum_gradients`). keras-mirror all-reduces them
@@ -38,8 +39,12 @@ def _identity_allreduce(grads_and_vars):
 
 
 def disable_optimizer_allreduce(optimizer):
-    """Stops `optimizer` (and a wrapped inner optimizer) from all-reducing."""
-    replace_optimizer_allreduce(optimizer, lambda original: _identity_allreduce)
+    """Within the block, `optimizer` (and a wrapped inner optimizer) does
+    not all-reduce: the built-in step has, exactly once."""
+    return replace_optimizer_allreduce(
+        optimizer, lambda original: _identity_allreduce,
+        "the gradients are all-reduced once, explicitly, before the "
+        "update")
 
 
 def loss_tracker(model):
@@ -87,24 +92,32 @@ def unscaled_losses():
     module = _loss_module()
     _require(module, _LOSS_SCALERS, _LOSS_MODULE,
              "compute a replica's own loss exactly")
-    with replaced(module, {name: _identity for name in _LOSS_SCALERS}):
+    with replaced(module, {name: _identity for name in _LOSS_SCALERS},
+                  reason="each replica computes its shard's own loss, "
+                  "weighted by its share, not divided by the replica "
+                  "count"):
         yield
 
 
-def replace_optimizer_allreduce(optimizer, make_hook):
-    """Replaces the gradient all-reduce of `optimizer` (and its inner one).
+@contextlib.contextmanager
+def replace_optimizer_allreduce(optimizer, make_hook, reason):
+    """Within the block, the gradient all-reduce of `optimizer` (and its
+    inner one) is `make_hook(original)`.
 
     `make_hook(original)` receives the optimizer's own bound
     `_all_reduce_sum_gradients` and returns the function that takes its
     place (same contract: a list of `(gradient, variable)` pairs in, the
     all-reduced list out).
     """
-    for opt in (optimizer, getattr(optimizer, "inner_optimizer", None)):
-        if opt is None:
-            continue
-        _replace_method(opt, _ALLREDUCE_HOOK, make_hook,
-                        "replace the optimizer's own gradient all-reduce",
-                        owner="keras.optimizers.Optimizer")
+    with contextlib.ExitStack() as stack:
+        for opt in (optimizer, getattr(optimizer, "inner_optimizer", None)):
+            if opt is None:
+                continue
+            stack.enter_context(replaced_method(
+                opt, _ALLREDUCE_HOOK, make_hook,
+                "replace the optimizer's own gradient all-reduce", reason,
+                owner="keras.optimizers.Optimizer"))
+        yield
 
 
 # An optimizer clips (`clipnorm`, `global_clipnorm`, `clipvalue`) in
@@ -114,11 +127,12 @@ def replace_optimizer_allreduce(optimizer, make_hook):
 _CLIP_HOOK = "_clip_gradients"
 
 
-def replace_optimizer_clip(optimizer, make_hook):
-    """Replaces `optimizer._clip_gradients` by `make_hook(original)`."""
-    _replace_method(optimizer, _CLIP_HOOK, make_hook,
-                    "all-reduce gradients before clipping",
-                    owner="keras.optimizers.Optimizer")
+def replace_optimizer_clip(optimizer, make_hook, reason):
+    """Within the block, `optimizer._clip_gradients` is
+    `make_hook(original)`."""
+    return replaced_method(optimizer, _CLIP_HOOK, make_hook,
+                           "all-reduce gradients before clipping", reason,
+                           owner="keras.optimizers.Optimizer")
 
 
 # The TF backend's optimizer applies each variable's update through
@@ -172,7 +186,7 @@ def _merge_call_modules():
 
 
 @contextlib.contextmanager
-def _distributing(optimizer, strategy, purpose):
+def _distributing(optimizer, strategy, purpose, reason):
     """Within the block, `optimizer` (and a `LossScaleOptimizer`'s inner
     one) has `strategy` as its `_distribution_strategy`."""
     optimizers = [o for o in (optimizer, getattr(optimizer, "inner_optimizer",
@@ -183,7 +197,7 @@ def _distributing(optimizer, strategy, purpose):
         for o in optimizers:
             stack.enter_context(replaced(
                 o, {_OPTIMIZER_STRATEGY: strategy},
-                label="keras.optimizers.Optimizer"))
+                label="keras.optimizers.Optimizer", reason=reason))
         yield
 
 
@@ -201,7 +215,9 @@ def distributes_through(optimizer, strategy):
     be integers or slices, not MirroredVariable").
     """
     return _distributing(optimizer, strategy,
-                         "update mirrored variables through the strategy")
+                         "update mirrored variables through the strategy",
+                         "while mirrored, EMA's swaps and overwrite reach "
+                         "every copy")
 
 
 @contextlib.contextmanager
@@ -210,13 +226,15 @@ def updates_in_place(optimizer):
     inner one) updates each variable once, as given, without
     `tf.distribute` (see above)."""
     interim, distribute = _merge_call_modules()
+    reason = ("each variable's update once, on the replica's own copy, "
+              "without a `merge_call` per variable per replica")
     with _distributing(
             optimizer, _InPlace,
-            "trace the optimizer's update once for all replicas"), \
+            "trace the optimizer's update once for all replicas", reason), \
             replaced(interim, {_MERGE_CALL: _in_place_merge_call},
-                     label=_MERGE_CALL_OWNER), \
+                     label=_MERGE_CALL_OWNER, reason=reason), \
             replaced(distribute, {_NO_MERGE_CALL: lambda: True},
-                     label="tf.__internal__.distribute"):
+                     label="tf.__internal__.distribute", reason=reason):
         yield
 
 
@@ -285,7 +303,8 @@ def reporting_flat_losses(model, report):
 
     with replaced(compile_loss, {_FLAT_LOSSES: [
             e._replace(loss=reporting(i, e.loss))
-            for i, e in enumerate(entries)]}, label=_COMPILE_LOSS_CLASS):
+            for i, e in enumerate(entries)]}, label=_COMPILE_LOSS_CLASS,
+            reason="each output's loss term weighted by its own kind"):
         yield
 
 
@@ -328,7 +347,9 @@ def loss_owners(model):
 # A TF-backend optimizer finds a variable's slots through
 # `_trainable_variables_indices`, keyed by `_var_key(variable)`: the unique id
 # of the TF variable behind it. When `_homes` switches a variable's backing,
-# the keys must follow, from the optimizer's own `_trainable_variables`.
+# the keys must follow, from the optimizer's own `_trainable_variables`: the
+# map its own `build` makes, for the new backings. Not restored as it was:
+# the backings it was keyed by are released (`_homes`), like `_value`.
 _OPT_INDICES = "_trainable_variables_indices"
 _OPT_VARIABLES = "_trainable_variables"
 
@@ -344,3 +365,6 @@ def rekey_optimizer(optimizer):
         setattr(opt, _OPT_INDICES, {
             opt._var_key(v): i
             for i, v in enumerate(getattr(opt, _OPT_VARIABLES))})
+        note_replaced("keras.optimizers.Optimizer", _OPT_INDICES,
+                      "an optimizer finds a variable's slots by its "
+                      "backing, which re-homing switches")

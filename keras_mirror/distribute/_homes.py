@@ -78,21 +78,29 @@ def _python_scalar(convert):
     return method
 
 
+_SCALARS = ("`int(model.optimizer.iterations)` (a Keras variable converts "
+            "through its backing) works while mirrored as on one device")
+
+
 def _scalar_conversions(cls):
-    """Gives a distributed variable class `int()`, `float()`, `complex()`.
+    """Within the block, a distributed variable class has `int()`,
+    `float()` and `complex()` (those it lacks), through the seam
+    (`_compat.replaced`).
 
     A Keras variable converts to a Python scalar through its backing
     (`int(self.value)`): TensorFlow's variable converts its value, but its
     `MirroredVariable` has no such method and raises `TypeError`. So a
     callback reading `int(self.model.optimizer.iterations)` or
     `float(self.model.some_counter)` during `mirrored.fit` would crash
-    where plain `fit` works. The added methods read the value as
-    TensorFlow's variable does (the first replica's copy outside a replica).
+    where plain `fit` works. The methods read the value as TensorFlow's
+    variable does (the first replica's copy outside a replica); they are
+    the class's only while the wrapper's variables are mirrored.
     """
-    for convert in (int, float, complex):
-        name = f"__{convert.__name__}__"
-        if not hasattr(cls, name):
-            setattr(cls, name, _python_scalar(convert))
+    missing = {f"__{c.__name__}__": _python_scalar(c)
+               for c in (int, float, complex)
+               if not hasattr(cls, f"__{c.__name__}__")}
+    return _compat.replaced(cls, missing, _SCALARS,
+                            label=f"{cls.__module__}.{cls.__name__}")
 
 
 class VariableHomes:
@@ -103,6 +111,9 @@ class VariableHomes:
         self._strategy = strategy
         self._entries = {}  # id -> [keras variable, single, distributed]
         self._depth = 0
+        # While mirrored: what `_enter` replaced (`_seam`), left by `_exit`.
+        self._seam = None
+        self._converted = set()
 
     def variables(self):
         """Every variable that moves: the model's, its optimizers' and the
@@ -123,16 +134,22 @@ class VariableHomes:
             if entry[2] is None:
                 with self._strategy.scope():
                     entry[2] = _compat.new_backing(v, current.read_value())
-                _scalar_conversions(type(entry[2]))
             else:
                 entry[2].assign(current.read_value())
             _compat.set_backing(v, entry[2])
+            self._convertible(type(entry[2]))
             # No second copy of the weights on the first device while the
             # mirrored copy trains: the idle backing is released, and made
             # again from the trained value on the way out.
             entry[1] = None
         self._forget_traced_functions()
         self._rekey()
+
+    def _convertible(self, cls):
+        """`_scalar_conversions` of `cls`, until the variables go home."""
+        if cls not in self._converted:
+            self._converted.add(cls)
+            self._seam.enter_context(_scalar_conversions(cls))
 
     def _forget_traced_functions(self):
         """Drops the user's model's traced functions, which hold backings.
@@ -182,14 +199,18 @@ class VariableHomes:
             finally:
                 self._depth -= 1
             return
-        with contextlib.ExitStack() as optimizers:
+        with contextlib.ExitStack() as seam:
             for optimizer in optimizers_of(self._model):
-                optimizers.enter_context(
+                seam.enter_context(
                     _compat.distributes_through(optimizer, self._strategy))
-            self._enter()
-            self._depth += 1
+            self._seam = seam
             try:
-                yield
+                self._enter()
+                self._depth += 1
+                try:
+                    yield
+                finally:
+                    self._depth -= 1
+                    self._exit()
             finally:
-                self._depth -= 1
-                self._exit()
+                self._seam, self._converted = None, set()

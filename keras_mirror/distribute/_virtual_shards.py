@@ -47,6 +47,7 @@ from keras_mirror import split
 from keras_mirror.distribute import _input_fn
 from keras_mirror.distribute import _multi_worker
 from keras_mirror.distribute import _pipeline_graph
+from keras_mirror.distribute import _rows
 
 ENV = _multi_worker.VIRTUAL_SHARDS_ENV
 
@@ -179,7 +180,7 @@ def _fn_shards(input_fn, num_shards, mine, steps_per_epoch):
     return [shards[v] for v in mine]
 
 
-def _rows(element):
+def _element_rows(element):
     first = tf.nest.flatten(element)[0]
     return tf.shape(first, out_type=tf.int64)[0]
 
@@ -227,7 +228,7 @@ def _logged(stream, message):
     read = tf.Variable(0, dtype=tf.int64, trainable=False)
 
     def count(*element):
-        read.assign_add(_rows(element))
+        read.assign_add(_element_rows(element))
         return _unwrap(element)
 
     def say(_):

@@ -119,7 +119,10 @@ def global_statistics(kinds):
     if kinds.global_plain:
         replacements[_compat.LOCAL_MOMENTS] = _replacement(
             getattr(module, _compat.LOCAL_MOMENTS), two_pass=True)
-    with _compat.replaced(module, replacements):
+    with _compat.replaced(
+            module, replacements,
+            reason="BatchNorm's moments are the global batch's, as on one "
+            "device, and leave a stand-in row out"):
         yield
 
 

@@ -262,5 +262,8 @@ def _tiled_draws(rows):
         name: (_tiling_first_argument if name in by_rows else _tiling)(
             getattr(module, name), rows)
         for name in _compat.RANDOM_FUNCTIONS if name != "shuffle"}
-    with _compat.replaced(module, replacements):
+    with _compat.replaced(
+            module, replacements,
+            reason="the loss-kind probe repeats a batch's draws for the "
+            "batch doubled"):
         yield

@@ -47,25 +47,36 @@ def _weighted(original, batch_sum=False):
     return update_state
 
 
-# The metric behind each tensor a metric's `result()` returned inside the
-# replicas (by tensor id): a step that returns `tracker.result()` under any
-# key reports that metric, read once every replica has updated it.
-_PRODUCED = {}
+class Produced:
+    """The metric behind each tensor a metric's `result()` returned inside
+    the replicas, in one step's trace: a step that returns
+    `tracker.result()` under any key reports that metric, read once every
+    replica has updated it. Owned by the block that records it
+    (`replica_weights`), and dropped with it."""
+
+    def __init__(self):
+        self._made = []  # (tensor, metric, key or None)
+
+    def add(self, out, metric):
+        if isinstance(out, dict):
+            self._made.extend((leaf, metric, key) for key, leaf in
+                              out.items())
+        else:
+            self._made.append((out, metric, None))
+
+    def source(self, value):
+        """`(metric, key or None)` whose `result()` gave `value`, else
+        None."""
+        for made, metric, key in self._made:
+            if made is value:
+                return metric, key
+        return None
 
 
-def source(value):
-    """`(metric, key or None)` whose `result()` gave `value`, else None."""
-    return _PRODUCED.get(id(value))
-
-
-def _recording(original, metric):
+def _recording(original, metric, produced):
     def result():
         out = original()
-        if isinstance(out, dict):
-            for key, leaf in out.items():
-                _PRODUCED[id(leaf)] = (metric, key)
-        else:
-            _PRODUCED[id(out)] = (metric, None)
+        produced.add(out, metric)
         return out
 
     return result
@@ -93,6 +104,12 @@ def updated_in_replicas(model, own_step):
     return [m for m in metrics if not any(m is o for o in outside)]
 
 
+_WEIGHTS = ("a mean updated with one scalar weighs the replica's share; a "
+            "stand-in replica updates nothing")
+_RESULTS = ("a step returning `tracker.result()` reports the metric once "
+            "every replica updated it")
+
+
 @contextlib.contextmanager
 def replica_weights(model, sums=(), own_step=False):
     """Within the block, the metrics updated in a replica weigh it as one
@@ -102,12 +119,10 @@ def replica_weights(model, sums=(), own_step=False):
     loss with `reduction="sum"`): the replicas' values add up, so each
     update weighs its value divided by the share. No metric is updated on
     a stand-in replica (`_stand_in`). In a model's own step every metric's
-    `result()` is also recorded (see `source`).
+    `result()` is also recorded in the `Produced` the block yields.
     """
+    produced = Produced()
     metrics = updated_in_replicas(model, own_step)
-    if not metrics:
-        yield
-        return
     weighted = _compat.output_loss_trackers(model) + [
         m for m in metrics if isinstance(m, keras.metrics.Mean)]
     with contextlib.ExitStack() as stack:
@@ -117,12 +132,12 @@ def replica_weights(model, sums=(), own_step=False):
                 update = _weighted(update, any(metric is m for m in sums))
             # A stand-in replica (an empty shard running one row) updates
             # no metric: its row is not data.
-            replacements = {"update_state": _stand_in.unless_stand_in(update)}
-            if own_step:
-                replacements["result"] = _recording(metric.result, metric)
             stack.enter_context(_compat.replaced(
-                metric, replacements, label="keras.metrics.Metric"))
-        try:
-            yield
-        finally:
-            _PRODUCED.clear()
+                metric, {"update_state": _stand_in.unless_stand_in(update)},
+                label="keras.metrics.Metric", reason=_WEIGHTS))
+            if own_step:
+                stack.enter_context(_compat.replaced(
+                    metric, {"result": _recording(metric.result, metric,
+                                                  produced)},
+                    label="keras.metrics.Metric", reason=_RESULTS))
+        yield produced

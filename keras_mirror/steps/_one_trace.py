@@ -29,12 +29,13 @@ dropped before any replica runs it (`Traced.prepare`), and the replica
 step takes its per-replica branch.
 """
 
+import functools
 import logging
 
 import tensorflow as tf
 
-from keras_mirror.replica_context import TRIAL
-from keras_mirror.replica_context import note
+from keras_mirror.replica_context import note  # noqa: F401 (`_one_trace.note`)
+from keras_mirror.replica_context import outside_one_trace
 from keras_mirror.steps import _batchnorm
 from keras_mirror.steps import _xla
 from keras_mirror.steps import arithmetic
@@ -65,8 +66,28 @@ def enabled(mirrored):
     return True
 
 
+class Trial:
+    """Why one trace cannot serve a replica's work, noted while it is made.
+
+    Owned by its `Traced`; the replica context of the trace holds it
+    (`ReplicaContext(traced_once=trial)`), so that `replica_context.note`
+    reaches it from anywhere in the work.
+    """
+
+    def __init__(self):
+        self.reasons = None  # a list while the trace is made
+
+    def note(self, reason):
+        if self.reasons is None:
+            raise outside_one_trace(reason)
+        self.reasons.append(reason)
+
+
 def replica_work(mirrored, body, shards):
     """`_xla.replica_function` of `body`, traced once (`Traced`).
+
+    `body(trial, *args)`: `trial` is the `Trial` of this trace, for the
+    replica context the body makes.
 
     Compiled with XLA when the model's `jit_compile` asks for it
     (`_xla.enabled`). `shards` are the positions (after the two lists of
@@ -74,10 +95,12 @@ def replica_work(mirrored, body, shards):
     shard's rows, which differ between replicas.
     """
     jit = _xla.enabled(mirrored)
-    function = _xla.replica_function(mirrored._inner, body, jit, note)
+    trial = Trial()
+    function = _xla.replica_function(
+        mirrored._inner, functools.partial(body, trial), jit, trial.note)
     if jit:
         _xla.remember(mirrored, function)
-    traced = Traced(function, [i + 2 for i in shards], jit)
+    traced = Traced(function, [i + 2 for i in shards], jit, trial)
     mirrored._step_state.one_trace_last = traced
     return traced
 
@@ -122,8 +145,9 @@ class Traced:
     trace.
     """
 
-    def __init__(self, function, shards, jit=False):
+    def __init__(self, function, shards, jit=False, trial=None):
         self.function = function
+        self._trial = trial or Trial()
         self._shards = set(shards)
         self._concrete = None
         self._jit = jit
@@ -138,7 +162,7 @@ class Traced:
         if sparse and not self._jit:
             self.reason = SPARSE
             return self.reason
-        TRIAL.reasons = reasons = []
+        self._trial.reasons = reasons = []
         try:
             if sparse:
                 concrete = self.function.get_concrete_function(*args)
@@ -146,7 +170,7 @@ class Traced:
                 concrete = self.function.get_concrete_function(*[
                     _specs(a, i in self._shards) for i, a in enumerate(args)])
         finally:
-            TRIAL.reasons = None
+            self._trial.reasons = None
         if reasons:
             self.reason = reasons[0]
         elif not sparse:

@@ -393,6 +393,8 @@ def exact_draws(first_time):
     `StepState.first_time`: each is said once per wrapper).
     """
     module = _compat.random_module()
-    with _compat.replaced(module, _replacements(module,
-                                                _orders(first_time))):
+    with _compat.replaced(
+            module, _replacements(module, _orders(first_time)),
+            reason="a draw shaped like the shard gives this replica's rows "
+            "of one device's draw for the global batch"):
         yield

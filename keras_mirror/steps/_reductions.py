@@ -43,7 +43,6 @@ import keras
 import tensorflow as tf
 
 from keras_mirror import _compat
-from keras_mirror.replica_context import TRIAL
 from keras_mirror.replica_context import active
 from keras_mirror.replica_context import note
 from keras_mirror.steps import _loss_terms
@@ -53,8 +52,6 @@ MEAN, SUM = "mean", "sum"
 # A `reduction="mean_with_sample_weight"` loss: a mean weighted by the
 # sample weights, `sum(w * l) / sum(w)` (a plain mean without them).
 WEIGHTED = "weighted_mean"
-# Set on the loss `compute_loss` returns: its `_Shard`.
-_SHARD = "_keras_mirror_shard"
 # A replica's shard of `sum(w)` needs every replica's (an all-reduce).
 WEIGHT_SUMS = ("a loss has reduction='mean_with_sample_weight', whose "
                "shares need every replica's sum of sample weights (an "
@@ -90,10 +87,11 @@ class Reductions:
         return [t for t, kind in zip(_compat.output_loss_trackers(model),
                                      kinds) if kind == SUM]
 
-    def terms(self, shard_loss, extras):
+    def terms(self, shard_loss, extras, parts=None):
         """The terms of `shard_loss` not weighted as a plain batch mean.
 
-        Each as `(value, kind, broadcast, weight_sum)` (see `_Term`).
+        Each as `(value, kind, broadcast, weight_sum)` (see `_Term`);
+        `parts`: the `_Shard` that `compute_loss` returned with it.
         """
         out = []
         extras = [tf.cast(tf.reduce_sum(e), tf.float32) for e in extras]
@@ -114,13 +112,12 @@ class Reductions:
                 out.append((tf.cast(shard_loss, tf.float32) - (
                     tf.add_n(extras) if extras else 0.0), SUM, False, None))
             return out
-        shard = getattr(shard_loss, _SHARD, None)
-        if shard is None:
+        if parts is None:
             raise RuntimeError(
                 "keras-mirror could not see the compiled loss's output "
                 "terms of this replica's loss. Received: "
                 f"shard_loss={shard_loss!r}")
-        for term in shard.terms:
+        for term in parts.terms:
             kind = self.output_kind(term.index)
             if kind == WEIGHTED and term.weight_sum is None:
                 kind = MEAN  # no sample weights: Keras's plain mean
@@ -165,8 +162,10 @@ class _Shard:
 
 
 def weighted(reductions, model, shard_loss, extras, count, total, first,
-             rows=None):
+             rows=None, parts=None):
     """Replica `r`'s term of the global loss (`arithmetic.contribution`).
+
+    `parts`: the `_Shard` that `compute_loss` returned with `shard_loss`.
 
     Its batch means weighted by the share `count / total`, its batch sums
     by 1, a weighted mean by its share of the global sum of sample weights
@@ -177,7 +176,7 @@ def weighted(reductions, model, shard_loss, extras, count, total, first,
     contribution is valued as Keras logs it, its elements' mean
     (`arithmetic.valued_as_mean`).
     """
-    terms = (reductions.terms(shard_loss, extras)
+    terms = (reductions.terms(shard_loss, extras, parts)
              if reductions is not None else [])
     share = tf.math.divide_no_nan(tf.cast(count, tf.float32),
                                   tf.cast(total, tf.float32))
@@ -201,12 +200,11 @@ def weighted(reductions, model, shard_loss, extras, count, total, first,
     out = arithmetic.contribution(
         shard_loss - own, arithmetic.weight_regularization(model),
         count, total, first) + weighted_own
-    shard = getattr(shard_loss, _SHARD, None)
-    if shard is not None and shard.elements_per_row is not None:
+    if parts is not None and parts.elements_per_row is not None:
         global_rows = total if ctx is None else ctx.global_batch_size
         out = arithmetic.valued_as_mean(
             out, tf.cast(global_rows, tf.float32) * tf.cast(
-                shard.elements_per_row, tf.float32))
+                parts.elements_per_row, tf.float32))
     return out
 
 
@@ -222,7 +220,7 @@ def _global_weight_sums(weight_sums):
     stacked = tf.stack(weight_sums)
     if ctx is None or not ctx.distributed:
         return tf.unstack(stacked)
-    if TRIAL.reasons is not None:  # the single trace is being made
+    if ctx._traced_once is not None:  # the single trace is being made
         note(WEIGHT_SUMS)
         return tf.unstack(stacked)
     return tf.unstack(ctx.all_reduce_sum(stacked))
@@ -251,16 +249,17 @@ def compute_loss(model, x, y, y_pred, sample_weight, training,
                  reductions=None):
     """The model's own `compute_loss` (an override too), as Keras calls it.
 
-    As a float32 scalar: an unreduced loss (`reduction="none"`, a vector)
-    as its sum, which is what Keras's step differentiates. It carries its
-    `_Shard` (each compiled output's weighted term, where `reductions`
-    reads them: `_reads_outputs`), which `Reductions.terms` reads.
+    Returns `(loss, parts)`: the loss as a float32 scalar (an unreduced
+    loss, `reduction="none"`, a vector, as its sum, which is what Keras's
+    step differentiates) and its `_Shard` (each compiled output's weighted
+    term, where `reductions` reads them: `_reads_outputs`), for
+    `weighted`; `(None, None)` without a loss.
     """
     loss, values = _loss_terms.call_compute_loss(
         model, x, y, y_pred, sample_weight, training,
         report=_reads_outputs(reductions, model))
     if loss is None:
-        return loss
+        return None, None
     loss = tf.cast(loss, tf.float32)
     unreduced = loss.shape.rank != 0
     entries = _compat.flat_losses(model) or []
@@ -278,8 +277,7 @@ def compute_loss(model, x, y, y_pred, sample_weight, training,
     if unreduced:
         shard.elements_per_row = tf.size(loss) // tf.shape(loss)[0]
         loss = tf.reduce_sum(loss)
-    setattr(loss, _SHARD, shard)
-    return loss
+    return loss, shard
 
 
 def _weight_sum(entry, y_pred, sample_weight):

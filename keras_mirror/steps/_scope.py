@@ -6,6 +6,7 @@ import warnings
 import tensorflow as tf
 
 from keras_mirror import _compat
+from keras_mirror.distribute import _homes
 from keras_mirror.steps import _batchnorm
 from keras_mirror.steps import _metric_weights
 from keras_mirror.steps import _random
@@ -16,21 +17,25 @@ def replica_scope(mirrored, own_step=False):
     """One device's losses, random draws and metric weights, per replica
     (`own_step`: in a model's own step, Keras's built-in one otherwise).
 
-    Only what the model needs is replaced (`docs/architecture.md` lists
+    Yields the `_metric_weights.Produced` of the metrics' results. Only
+    what the model needs is replaced (`docs/architecture.md` lists
     each replacement and its reason):
 
     - Keras does not divide losses by the replica count
       (`_compat.unscaled_losses`): each replica computes its shard's own
       loss and keras-mirror weights it;
+    - in Keras's built-in step, the optimizers do not all-reduce the
+      gradients (`_compat.disable_optimizer_allreduce`): the step has,
+      once (a model's own step enters `own_step.optimizer_hooks`);
     - `keras.random` draws give one device's numbers (`_random`);
     - the metrics a replica updates weigh it as one device would
       (`_metric_weights`: an output's loss that is a batch sum as a sum)
       and a stand-in row updates none; in the built-in step that is the
       per-output loss trackers and the layers' own metrics (none for most
       models), the compiled ones being updated outside the replicas;
-    - with synchronized BatchNorm, a stand-in row stays out of its
-      statistics (`_stand_in`); with plain BatchNorm, its moments are the
-      global batch's unless `batchnorm="per_replica"` (`_batchnorm`);
+    - BatchNorm's moments leave a stand-in row out and, for a plain layer,
+      are the global batch's unless `batchnorm="per_replica"`
+      (`_batchnorm.global_statistics`);
     - a stateful TF random op in the step (`tf.random.normal`), which
       draws per replica, is warned about once (`warn_stateful_draws`).
     """
@@ -41,13 +46,17 @@ def replica_scope(mirrored, own_step=False):
     version = graph.version
     with contextlib.ExitStack() as stack:
         stack.enter_context(_compat.unscaled_losses())
+        if not own_step:  # the steps all-reduce gradients, exactly once
+            for optimizer in _homes.optimizers_of(mirrored._inner):
+                stack.enter_context(
+                    _compat.disable_optimizer_allreduce(optimizer))
         stack.enter_context(_random.exact_draws(
             mirrored._step_state.first_time))
-        stack.enter_context(_metric_weights.replica_weights(
+        produced = stack.enter_context(_metric_weights.replica_weights(
             mirrored._inner, sums, own_step=own_step))
         if layers.forward_collectives:
             stack.enter_context(_batchnorm.global_statistics(layers))
-        yield
+        yield produced
     warn_stateful_draws(mirrored, graph, version)
 
 

@@ -25,13 +25,12 @@ by their shares for a gradient with respect to variables, and sums them as
 one device would for one with respect to tensors only.
 """
 
-import contextlib
-import threading
 import warnings
 
 import keras
 import tensorflow as tf
 
+from keras_mirror import _compat
 from keras_mirror.replica_context import active
 from keras_mirror.replica_context import differentiating
 
@@ -106,24 +105,20 @@ def _for_variables(target, sources, output_gradients, ctx):
     return scaled
 
 
-# One patch however many replicas enter (MirroredStrategy runs each
-# replica's function in a thread of its own).
-_LOCK = threading.Lock()
-_INSTALLED = {"depth": 0, "original": None}
+_REASON = ("a per-row target of an own step's `tape.gradient` "
+           "differentiates as the batch sum it is on one device; the call "
+           "says whether it is with respect to variables or tensors")
 
 
-@contextlib.contextmanager
 def per_row_targets():
-    """Within the block, replicas' per-row targets differentiate as sums."""
-    with _LOCK:
-        if _INSTALLED["depth"] == 0:
-            _INSTALLED["original"] = tf.GradientTape.gradient
-            tf.GradientTape.gradient = _patched(_INSTALLED["original"])
-        _INSTALLED["depth"] += 1
-    try:
-        yield
-    finally:
-        with _LOCK:
-            _INSTALLED["depth"] -= 1
-            if _INSTALLED["depth"] == 0:
-                tf.GradientTape.gradient = _INSTALLED["original"]
+    """Within the block, replicas' per-row targets differentiate as sums.
+
+    Entered once around the replicas' trace (`strategy.run`, which traces
+    each replica in a thread of its own); the replacement acts only in a
+    thread whose replica context is active, any other thread (a plain
+    Keras model training beside it) gets TensorFlow's own `gradient`.
+    Left, `tf.GradientTape.gradient` is the very function it was.
+    """
+    return _compat.replaced(
+        tf.GradientTape, {"gradient": _patched(tf.GradientTape.gradient)},
+        _REASON, label="tf.GradientTape")

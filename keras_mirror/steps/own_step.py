@@ -34,6 +34,7 @@ hand (weighted as a mean); gradient accumulation and `LossScaleOptimizer`
 clip per replica, before the all-reduce.
 """
 
+import contextlib
 
 import keras
 import tensorflow as tf
@@ -41,6 +42,7 @@ import tensorflow as tf
 from keras_mirror import _compat
 from keras_mirror import allreduce
 from keras_mirror import split
+from keras_mirror.distribute import _homes
 from keras_mirror.distribute import _rows
 from keras_mirror.replica_context import ReplicaContext
 from keras_mirror.replica_context import activate
@@ -125,19 +127,42 @@ def reduced_already(original):
     return all_reduce
 
 
-def prepare_optimizer(optimizer):
-    """Installs the replica all-reduce of a model's own-step optimizer.
+_WEIGHTED = ("an own step's gradients are weighted by the replica's share "
+             "and all-reduced once")
+_BEFORE_CLIPPING = ("the all-reduce before clipping, so that clipping sees "
+                    "the global gradient")
+
+
+@contextlib.contextmanager
+def optimizer_hooks(optimizer):
+    """Within the block, the replica all-reduce of a model's own-step
+    optimizer (entered around the replicas' step, `_run`).
 
     Before clipping where Keras lets it be (a plain optimizer); in the
     all-reduce hook, after a per-replica clipping, for a
-    `LossScaleOptimizer` or with gradient accumulation.
+    `LossScaleOptimizer` or with gradient accumulation. Outside a replica
+    step the hooks call the optimizer's own.
     """
     if isinstance(optimizer, keras.optimizers.LossScaleOptimizer) or \
             getattr(optimizer, "gradient_accumulation_steps", None):
-        _compat.replace_optimizer_allreduce(optimizer, weighted_allreduce)
+        with _compat.replace_optimizer_allreduce(
+                optimizer, weighted_allreduce, _WEIGHTED):
+            yield
         return
-    _compat.replace_optimizer_clip(optimizer, reduce_before_clipping)
-    _compat.replace_optimizer_allreduce(optimizer, reduced_already)
+    with _compat.replace_optimizer_clip(
+            optimizer, reduce_before_clipping, _BEFORE_CLIPPING), \
+            _compat.replace_optimizer_allreduce(
+                optimizer, reduced_already, _BEFORE_CLIPPING):
+        yield
+
+
+@contextlib.contextmanager
+def _hooks(model):
+    """`optimizer_hooks` of each of `model`'s optimizers."""
+    with contextlib.ExitStack() as stack:
+        for optimizer in _homes.optimizers_of(model):
+            stack.enter_context(optimizer_hooks(optimizer))
+        yield
 
 
 # -- the steps ---------------------------------------------------------------
@@ -202,12 +227,12 @@ def _run(mirrored, data, method):
                              gradient_dtype=mirrored._gradient_dtype,
                              offset=tf.gather(offsets, r),
                              shares_after_gradient=True)
-        with activate(ctx), _tape.per_row_targets():
+        with activate(ctx):
             out = step(shard_data)
         samples = tf.reshape(tf.cast(shard_rows, tf.float32), [1])
         if method == "predict_step":
             return _stand_in.real_rows(out, shard_rows), samples
-        vectors = _vectors(out, method, sources)
+        vectors = _vectors(out, method, sources, produced)
         # A stand-in replica reports nothing of its own.
         vectors = {k: tf.where(shard_rows > 0, v, tf.zeros_like(v))
                    for k, v in vectors.items()}
@@ -217,8 +242,12 @@ def _run(mirrored, data, method):
         r = tf.distribute.get_replica_context().replica_id_in_sync_group
         return one_replica(shard, r)
 
+    # Entered once around the replicas' trace (MirroredStrategy traces
+    # each replica in a thread of its own); the hooks and the tape's
+    # replacement act only in a thread with an active replica context.
     with mirrored._strategy.scope(), \
-            _scope.replica_scope(mirrored, own_step=True):
+            _scope.replica_scope(mirrored, own_step=True) as produced, \
+            _hooks(mirrored._inner), _tape.per_row_targets():
         out = mirrored._strategy.run(replica_step, args=(shards,))
     if method == "train_step":
         _mixing.check(mirrored, shards)  # warns once of a whole-batch loss
@@ -239,8 +268,9 @@ def _flat(logs):
     return out
 
 
-def _vectors(logs, method, sources):
-    """Each returned scalar as a [1] vector; notes which came from a metric.
+def _vectors(logs, method, sources, produced):
+    """Each returned scalar as a [1] vector; notes which came from a metric
+    (`produced`: the `_metric_weights.Produced` of this trace).
     """
     if not isinstance(logs, dict):
         raise TypeError(
@@ -249,7 +279,7 @@ def _vectors(logs, method, sources):
             f"Received: {type(logs).__name__}")
     out = {}
     for key, value in _flat(logs).items():
-        found = _metric_weights.source(value)
+        found = produced.source(value)
         if found is not None:
             sources.setdefault(key, found)
         value = tf.convert_to_tensor(value)

@@ -89,7 +89,7 @@ class ReplicaSteps:
         it = iter(packed)
         return tuple(next(it) if p else None for p in present)
 
-    def _context(self, global_rows, sizes, r=None, traced_once=False,
+    def _context(self, global_rows, sizes, r=None, traced_once=None,
                  compiled=False, multiple=1):
         """Makes `replica_context()` describe this replica in its step.
 
@@ -144,18 +144,19 @@ class ReplicaSteps:
         rows = self._real_rows()
         # Losses are not divided by the replica count in a step
         # (`_compat.unscaled_losses`): this is one device's loss of the shard.
-        shard = tf.cast(_reductions.compute_loss(
+        shard, parts = _reductions.compute_loss(
             self._inner, x, y, y_pred, sw, training,
-            self._step_state.reductions), tf.float32)
+            self._step_state.reductions)
         first = tf.equal(active().replica_id, 0)
         if mask is None:
             count, total = rows, global_rows
         else:
             count = tf.where(rows > 0, arithmetic.unmasked_entries(mask), 0.0)
             total = ctx.all_reduce(tf.distribute.ReduceOp.SUM, count)
-        return self._contribution(shard, count, total, first, rows), shard
+        return self._contribution(shard, parts, count, total, first,
+                                  rows), shard
 
-    def _contribution(self, shard, count, total, first, rows):
+    def _contribution(self, shard, parts, count, total, first, rows):
         """`arithmetic.contribution`, each term by its kind (`_reductions`).
 
         A stand-in replica (`rows` 0) contributes nothing but, on replica
@@ -163,7 +164,7 @@ class ReplicaSteps:
         """
         return _reductions.weighted(
             self._step_state.reductions, self._inner, shard,
-            self._inner.losses, count, total, first, rows)
+            self._inner.losses, count, total, first, rows, parts)
 
     def _with_mask(self, y_pred, mask):
         """`(y_pred, its mask)` to gather, noting whether there is one."""
@@ -197,8 +198,8 @@ class ReplicaSteps:
         """
         compiled = _xla.enabled(self)
 
-        def body(x, y, sw, sizes, r, scale):
-            with self._context(global_rows, sizes, r, traced_once=True,
+        def body(trial, x, y, sw, sizes, r, scale):
+            with self._context(global_rows, sizes, r, traced_once=trial,
                                compiled=compiled, multiple=multiple):
                 y_pred, _, _, contribution, shard = self._replica_work(
                     x, y, sw, global_rows, multiple=multiple,

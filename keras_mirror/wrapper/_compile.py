@@ -18,7 +18,6 @@ import tensorflow as tf
 from keras_mirror import _compat
 from keras_mirror.distribute import _homes
 from keras_mirror.steps import _batchnorm
-from keras_mirror.steps import own_step
 from keras_mirror.wrapper import _arguments
 from keras_mirror.wrapper import _own_step_applies
 
@@ -38,17 +37,16 @@ def compile(mirrored, *args, **kwargs):
 
 
 def adopt(mirrored):
-    """Prepares a compiled model's optimizers and compiles the wrapper."""
+    """Checks a compiled model's losses and compiles the wrapper.
+
+    The model's optimizers are left as they are: their hooks are replaced
+    only around a replica step's trace (`steps/_scope.replica_scope`,
+    `own_step.optimizer_hooks`).
+    """
     inner = mirrored._inner
     custom = mirrored._custom_step
     if not custom:
         check_reductions(getattr(inner, "loss", None), inner)
-    for optimizer in _homes.optimizers_of(inner):
-        if custom:
-            own_step.prepare_optimizer(optimizer)
-        else:
-            # The steps all-reduce the gradients themselves, exactly once.
-            _compat.disable_optimizer_allreduce(optimizer)
     if custom:
         # Counts global steps (`iterations`) for callbacks and backups;
         # the model's own optimizers count their own updates.

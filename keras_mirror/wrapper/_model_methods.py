@@ -65,4 +65,7 @@ def _routed(name, model, target):
             return target(*args, **kwargs)
         return original(self, *args, **kwargs)
 
-    return _compat.replaced(keras.Model, {name: routed}, label="keras.Model")
+    return _compat.replaced(
+        keras.Model, {name: routed}, label="keras.Model",
+        reason="a model class's own method runs, and its `super()` call "
+        "reaches the wrapper")

@@ -47,5 +47,7 @@ def _recording(optimizer, applied):
             applied.setdefault(id(optimizer), list(trainable_variables))
         return optimizer.iterations
 
-    return _compat.replaced(optimizer, {"apply": apply},
-                            label="keras.optimizers.Optimizer")
+    return _compat.replaced(
+        optimizer, {"apply": apply}, label="keras.optimizers.Optimizer",
+        reason="records the variables an own step applies each optimizer "
+        "to, to build it on one device before the replicas run")

@@ -35,7 +35,9 @@ def test_a_missing_private_name_fails_loudly_by_name():
         _compat._require(object(), ("_value",), "Variable", "move it")
     opt = keras.optimizers.SGD()
     with pytest.raises(RuntimeError, match=r"SGD\._no_such_hook"):
-        _compat._replace_method(opt, "_no_such_hook", lambda f: f, "hook")
+        with _compat.replaced_method(opt, "_no_such_hook", lambda f: f,
+                                     "hook", "a test"):
+            pass
 
 
 # -- every replacement, recorded and listed ----------------------------------
@@ -46,7 +48,10 @@ DRAWS = {f"keras.src.backend.tensorflow.random.{name}"
          for name in _compat.RANDOM_FUNCTIONS + ("draw_seed",)}
 # While mirrored (`_homes`), and in the update traced once.
 MIRRORED = {"keras.optimizers.Optimizer._distribution_strategy",
-            "keras.Variable._value"}
+            "keras.Variable._value",
+            "keras.optimizers.Optimizer._trainable_variables_indices"} | {
+    f"tensorflow.python.distribute.values.MirroredVariable.__{name}__"
+    for name in ("int", "float", "complex")}
 ONE_UPDATE = {"tf.__internal__.distribute.interim.maybe_merge_call",
               "tf.__internal__.distribute.strategy_supports_no_merge_call"}
 BUILT_IN = LOSSES | DRAWS | MIRRORED | ONE_UPDATE | {
@@ -148,11 +153,26 @@ def test_an_own_step_replaces_its_hooks_metrics_and_routing(cpus):
     y = np.random.rand(12, 1).astype("float32")
     seen = _recorded(cpus, build, x, y)
     assert seen == LOSSES | DRAWS | MIRRORED | {
+        "tf.GradientTape.gradient",
         "keras.optimizers.Optimizer._all_reduce_sum_gradients",
         "keras.optimizers.Optimizer._clip_gradients",
         "keras.optimizers.Optimizer.apply",  # the optimizer was not built
         "keras.metrics.Metric.update_state", "keras.metrics.Metric.result",
         "keras.Model.fit"}
+
+
+def test_each_replacement_carries_its_reason(cpus):
+    import numpy as np
+
+    x = np.random.rand(12, 4).astype("float32")
+    y = np.random.rand(12, 1).astype("float32")
+    seen = _recorded(cpus, _mlp(keras.layers.BatchNormalization()), x, y)
+    assert set(seen.reasons) == seen
+    assert all(isinstance(r, str) and r for r in seen.reasons.values())
+    with pytest.raises(ValueError, match="needs its reason"):
+        with _compat.replaced(keras.layers, {"Dense": None}, reason=""):
+            pass
+    assert keras.layers.Dense.__name__ == "Dense"
 
 
 def _listed():
@@ -184,7 +204,7 @@ def test_the_architecture_list_names_each_recorded_replacement():
         "keras.src.trainers.compile_utils.CompileLoss._flat_losses",
         "keras.metrics.Metric.update_state", "keras.metrics.Metric.result",
         "keras.optimizers.Optimizer._clip_gradients",
-        "keras.optimizers.Optimizer.apply"}
+        "keras.optimizers.Optimizer.apply", "tf.GradientTape.gradient"}
     assert every <= listed, sorted(every - listed)
     routed = {f"keras.Model.{name}" for name in (
         "fit", "evaluate", "predict", "train_on_batch", "test_on_batch",

@@ -74,7 +74,7 @@ def test_random_module_has_the_replaced_functions():
         calls.append(args)
         return original(*args, **kwargs)
 
-    with _compat.replaced(module, {"normal": spy}):
+    with _compat.replaced(module, {"normal": spy}, reason="a spy"):
         keras.random.normal((2,), seed=1)
     assert len(calls) == 1
     assert module.normal is original
@@ -106,7 +106,7 @@ def test_moments_module_calls_the_moments_by_name(name, kwargs):
         calls.append(axes)
         return original(x, axes, keepdims)
 
-    with _compat.replaced(module, {attribute: spy}):
+    with _compat.replaced(module, {attribute: spy}, reason="a spy"):
         mean, _ = module.moments(tf.ones((3, 2)), [0], **kwargs)
     assert calls == [[0]]
     assert mean.numpy().tolist() == [1.0, 1.0]

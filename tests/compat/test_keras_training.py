@@ -30,17 +30,19 @@ def test_optimizer_allreduce_hook_exists_and_is_used():
             return [(g * 2.0, v) for g, v in grads_and_vars]
         return hook
 
-    _compat.replace_optimizer_allreduce(opt, make_hook)
-    opt.apply([tf.ones(2)], [var])
+    with _compat.replace_optimizer_allreduce(opt, make_hook, "a test"):
+        opt.apply([tf.ones(2)], [var])
     assert seen == [1]
     np.testing.assert_allclose(var.numpy(), [-2.0, -2.0])
+    assert _compat._ALLREDUCE_HOOK not in vars(opt)  # restored
 
 
 def test_disable_optimizer_allreduce():
     opt = keras.optimizers.SGD(1.0)
-    _compat.disable_optimizer_allreduce(opt)
     pairs = [(tf.ones(1), None)]
-    assert getattr(opt, _compat._ALLREDUCE_HOOK)(pairs) == pairs
+    with _compat.disable_optimizer_allreduce(opt):
+        assert getattr(opt, _compat._ALLREDUCE_HOOK)(pairs) == pairs
+    assert _compat._ALLREDUCE_HOOK not in vars(opt)
 
 
 def test_loss_tracker_is_the_loss_mean():
@@ -175,8 +177,8 @@ def test_clip_hook_exists_and_is_used():
             return original(grads)
         return clip
 
-    _compat.replace_optimizer_clip(opt, make_hook)
-    opt.apply([tf.constant([3.0, 4.0])], [var])
+    with _compat.replace_optimizer_clip(opt, make_hook, "a test"):
+        opt.apply([tf.constant([3.0, 4.0])], [var])
     assert seen == [1]
     np.testing.assert_allclose(var.numpy(), [-0.6, -0.8], rtol=1e-6)
 
