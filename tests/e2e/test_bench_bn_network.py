@@ -13,7 +13,9 @@ import pytest
 from support.network_bench import quick_report
 
 pytestmark = pytest.mark.xdist_group("network")  # see test_bench_network
-TIMEOUT = 58
+# A bound against a hang, not a timing: the quick run takes 40-60 s
+# on 2 cores busy with the rest of the suite (58 s was exceeded at load 4.5).
+TIMEOUT = 150
 
 
 @pytest.mark.timeout(TIMEOUT + 5)
