@@ -75,15 +75,22 @@ _VARIABLE_BACKING = "_value"
 _VARIABLE_INITIALIZE = "_initialize"
 
 
+_BACKING_PURPOSE = ("train the model's own variables on a tf.distribute "
+                    "strategy")
+
+
 def _check_variable_api(variable):
     _require(variable, (_VARIABLE_BACKING, _VARIABLE_INITIALIZE), "Variable",
-             "train the model's own variables on a tf.distribute strategy")
+             _BACKING_PURPOSE)
 
 
 def backing(variable):
     """The TensorFlow variable behind a Keras variable."""
-    _check_variable_api(variable)
-    return getattr(variable, _VARIABLE_BACKING)
+    try:
+        return getattr(variable, _VARIABLE_BACKING)
+    except AttributeError:
+        raise _missing(f"Variable.{_VARIABLE_BACKING}",
+                       _BACKING_PURPOSE) from None
 
 
 def set_backing(variable, tf_variable):

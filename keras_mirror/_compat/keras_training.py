@@ -38,13 +38,21 @@ def _identity_allreduce(grads_and_vars):
     return list(grads_and_vars)
 
 
+@contextlib.contextmanager
 def disable_optimizer_allreduce(optimizer):
     """Within the block, `optimizer` (and a wrapped inner optimizer) does
     not all-reduce: the built-in step has, exactly once."""
-    return replace_optimizer_allreduce(
-        optimizer, lambda original: _identity_allreduce,
-        "the gradients are all-reduced once, explicitly, before the "
-        "update")
+    with contextlib.ExitStack() as stack:
+        for opt in (optimizer, getattr(optimizer, "inner_optimizer", None)):
+            if opt is None:
+                continue
+            _require(opt, (_ALLREDUCE_HOOK,), type(opt).__name__,
+                     "replace the optimizer's own gradient all-reduce")
+            stack.enter_context(replaced(
+                opt, {_ALLREDUCE_HOOK: _identity_allreduce},
+                "the gradients are all-reduced once, explicitly, before the "
+                "update", label="keras.optimizers.Optimizer"))
+        yield
 
 
 def loss_tracker(model):

@@ -24,6 +24,7 @@ def on_batch(mirrored, x):
     if mirrored.batch_mode == "per_replica":
         rows = int(next(t for t in tf.nest.flatten(x)
                         if t is not None).shape[0])
-        set_capacity(mirrored, -(-rows // mirrored.num_replicas))
+        n = mirrored._strategy.num_replicas_in_sync
+        set_capacity(mirrored, -(-rows // n))
     else:
         set_capacity(mirrored, None)

@@ -23,7 +23,6 @@ batch are rare), each block of `rows` rows twice where they are stacked.
 """
 
 import contextlib
-import inspect
 
 import numpy as np
 import tensorflow as tf
@@ -31,6 +30,7 @@ import tensorflow as tf
 from keras_mirror import _compat
 from keras_mirror.distribute import _rows
 from keras_mirror.steps import _row_order
+from keras_mirror.steps._reductions import call_compute_loss
 
 
 class Terms:
@@ -45,22 +45,6 @@ class Terms:
         self.compiled = compiled
         self.extras = list(extras)
         self.outputs = dict(outputs)
-
-
-def call_compute_loss(model, x, y, y_pred, sample_weight, training,
-                      report=True):
-    """(loss, [(output index, unweighted value)]) of `model.compute_loss`
-    (no values unless `report`)."""
-    kwargs = dict(x=x, y=y, y_pred=y_pred, sample_weight=sample_weight)
-    if "training" in inspect.signature(model.compute_loss).parameters:
-        kwargs["training"] = training
-    values = []
-    if not report:
-        return model.compute_loss(**kwargs), values
-    with _compat.reporting_flat_losses(
-            model, lambda i, v: values.append((i, v))):
-        loss = model.compute_loss(**kwargs)
-    return loss, values
 
 
 def _scalar(t):

@@ -40,7 +40,8 @@ def check(mirrored, shards):
     Not with one replica, whose shard is the whole batch (exact), nor in a
     step run eagerly (no graph to scan).
     """
-    if mirrored.num_replicas == 1 or tf.executing_eagerly() or \
+    if mirrored._strategy.num_replicas_in_sync == 1 or \
+            tf.executing_eagerly() or \
             not mirrored._step_state.first_time(WHAT, "scanned"):
         return
     shard = [t for t in tf.nest.flatten(

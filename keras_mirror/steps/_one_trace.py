@@ -27,10 +27,33 @@ forward pass (no replica can wait for another inside one trace) and, with
 XLA, a pass that updates state outside the model. That trace is then
 dropped before any replica runs it (`Traced.prepare`), and the replica
 step takes its per-replica branch.
+
+`decide` is the one decision of how a replica's work is traced, read by
+every path: once for every replica or per replica, and with XLA
+(`_xla`) or without, each reason said once:
+
+- XLA runs where the wrapped model was compiled with `jit_compile` on and
+  not `run_eagerly`, except for a model's own `train_step` (its
+  optimizer's `apply` all-reduces inside the step), BatchNormalization
+  with global statistics (an all-reduce in the forward pass), or once a
+  trace noted a reason (`turn_off`); each reason is a `UserWarning`, once
+  per wrapper.
+- One trace serves every replica of Keras's built-in step, except for a
+  model's own `train_step`, `run_eagerly`, BatchNormalization with global
+  statistics (logged once, INFO) or once a trace noted a reason; with one
+  local replica (one device, or one process of a cluster) only for XLA,
+  whose compiled function it is (one trace has nothing to share there).
+
+The reasons a trace notes (`replica_context.note`) are kept in the
+wrapper's `StepState` (`one_trace_off`, `xla_off`): the decision is made
+anew from the compile and those records at each call, so a new compile
+decides again.
 """
 
+import collections
 import functools
 import logging
+import warnings
 
 import tensorflow as tf
 
@@ -42,28 +65,61 @@ from keras_mirror.steps import arithmetic
 
 SPARSE = "a shard is sparse or ragged"
 
+Plan = collections.namedtuple("Plan", ["one_trace", "xla"])
 
-def enabled(mirrored):
-    """Whether the built-in step's replica work is traced once.
 
-    Not for a model's own `train_step` (its optimizer all-reduces inside
-    the step), BatchNormalization whose statistics are the global batch's
-    (synchronized, or plain with `batchnorm="global"`: an all-reduce in the
-    forward pass, logged once), `run_eagerly`, or once a trace failed;
-    with one local replica (one device, or a multi-worker process) only
-    for XLA, whose compiled function it is (one trace has nothing to share
-    there).
-    """
-    if mirrored._custom_step or mirrored._step_state.one_trace_off:
-        return False
-    if getattr(mirrored._inner, "run_eagerly", False):
-        return False
-    if _batchnorm.kinds(mirrored).forward_collectives:
+def decide(mirrored):
+    """`Plan(one_trace, xla)` for the wrapper's next replica step."""
+    inner, state = mirrored._inner, mirrored._step_state
+    eager = bool(getattr(inner, "run_eagerly", False))
+    forward = _batchnorm.kinds(mirrored).forward_collectives
+    xla = bool(getattr(inner, "compiled", False) and not eager
+               and inner.jit_compile)
+    if xla:
+        against = (state.xla_off
+                   or (_xla.OWN_STEP if mirrored._custom_step else None)
+                   or (_batchnorm.FORWARD_COLLECTIVES if forward else None))
+        if against is not None:
+            _warn_once(mirrored, against)
+            xla = False
+    one = not (mirrored._custom_step or state.one_trace_off or eager)
+    if one and forward:
         _log_once(mirrored, _batchnorm.FORWARD_COLLECTIVES)
-        return False
-    if len(mirrored.devices) == 1 or mirrored._multi_worker:
-        return _xla.enabled(mirrored)
-    return True
+        one = False
+    if one and (len(mirrored._devices) == 1 or mirrored._multi_worker):
+        one = xla
+    return Plan(one, xla)
+
+
+def turn_off(mirrored, reason):
+    """Traces per replica from now on, and without XLA unless the reason
+    is a sparse or ragged shard (XLA retraces per shape), saying why once.
+    """
+    state = mirrored._step_state
+    if reason != SPARSE and decide(mirrored).xla:
+        state.xla_off = reason
+        _warn_once(mirrored, reason)
+    state.one_trace_off = reason
+    _log_once(mirrored, reason)
+
+
+def _warn_once(mirrored, reason):
+    if not mirrored._step_state.first_time("xla", reason):
+        return
+    warnings.warn(
+        "The wrapped model was compiled with `jit_compile=True`, but "
+        f"keras-mirror runs its replica step without XLA because {reason}. "
+        "Received: jit_compile=True", UserWarning, stacklevel=4)
+
+
+def _log_once(mirrored, reason):
+    """Says once per wrapper and reason why the work is traced per replica.
+    """
+    if not mirrored._step_state.first_time("one trace", reason):
+        return
+    logging.getLogger("keras_mirror").info(
+        "keras-mirror traces the replica step per replica, not once for "
+        "all replicas, because %s.", reason)
 
 
 class Trial:
@@ -90,11 +146,11 @@ def replica_work(mirrored, body, shards):
     replica context the body makes.
 
     Compiled with XLA when the model's `jit_compile` asks for it
-    (`_xla.enabled`). `shards` are the positions (after the two lists of
+    (`decide`). `shards` are the positions (after the two lists of
     variable values) of the arguments whose leading dimension is the
     shard's rows, which differ between replicas.
     """
-    jit = _xla.enabled(mirrored)
+    jit = decide(mirrored).xla
     trial = Trial()
     function = _xla.replica_function(
         mirrored._inner, functools.partial(body, trial), jit, trial.note)
@@ -221,28 +277,8 @@ def run(mirrored, traced, plain, data=None):
     while tracing, and the replica step then takes its per-replica branch
     (`Traced.prepare`).
     """
-    if enabled(mirrored) and composite(data) and not _xla.enabled(
-            mirrored):
+    plan = decide(mirrored)
+    if plan.one_trace and composite(data) and not plan.xla:
         turn_off(mirrored, SPARSE)
-    if not enabled(mirrored):
-        _xla.enabled(mirrored)  # warns once why XLA is off, if it was asked
-        return plain()
-    return traced()
-
-
-def turn_off(mirrored, reason):
-    """Traces per replica from now on (and without XLA, saying why)."""
-    if _xla.enabled(mirrored) and reason != SPARSE:
-        _xla.turn_off(mirrored, reason)
-    mirrored._step_state.one_trace_off = reason
-    _log_once(mirrored, reason)
-
-
-def _log_once(mirrored, reason):
-    """Says once per wrapper and reason why the work is traced per replica.
-    """
-    if not mirrored._step_state.first_time("one trace", reason):
-        return
-    logging.getLogger("keras_mirror").info(
-        "keras-mirror traces the replica step per replica, not once for "
-        "all replicas, because %s.", reason)
+        plan = decide(mirrored)
+    return traced() if plan.one_trace else plain()

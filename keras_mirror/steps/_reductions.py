@@ -37,6 +37,7 @@ of the first train or test call (`_probing`), so that it reads nothing
 the step would not read.
 """
 
+import inspect
 import warnings
 
 import keras
@@ -45,7 +46,6 @@ import tensorflow as tf
 from keras_mirror import _compat
 from keras_mirror.replica_context import active
 from keras_mirror.replica_context import note
-from keras_mirror.steps import _loss_terms
 from keras_mirror.steps import arithmetic
 
 MEAN, SUM = "mean", "sum"
@@ -245,6 +245,22 @@ def _reads_outputs(reductions, model):
 _SCALAR_MEANS = ("sum_over_batch_size", "mean")
 
 
+def call_compute_loss(model, x, y, y_pred, sample_weight, training,
+                      report=True):
+    """(loss, [(output index, unweighted value)]) of `model.compute_loss`
+    (no values unless `report`)."""
+    kwargs = dict(x=x, y=y, y_pred=y_pred, sample_weight=sample_weight)
+    if "training" in inspect.signature(model.compute_loss).parameters:
+        kwargs["training"] = training
+    values = []
+    if not report:
+        return model.compute_loss(**kwargs), values
+    with _compat.reporting_flat_losses(
+            model, lambda i, v: values.append((i, v))):
+        loss = model.compute_loss(**kwargs)
+    return loss, values
+
+
 def compute_loss(model, x, y, y_pred, sample_weight, training,
                  reductions=None):
     """The model's own `compute_loss` (an override too), as Keras calls it.
@@ -255,7 +271,7 @@ def compute_loss(model, x, y, y_pred, sample_weight, training,
     term, where `reductions` reads them: `_reads_outputs`), for
     `weighted`; `(None, None)` without a loss.
     """
-    loss, values = _loss_terms.call_compute_loss(
+    loss, values = call_compute_loss(
         model, x, y, y_pred, sample_weight, training,
         report=_reads_outputs(reductions, model))
     if loss is None:

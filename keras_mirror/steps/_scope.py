@@ -6,7 +6,6 @@ import warnings
 import tensorflow as tf
 
 from keras_mirror import _compat
-from keras_mirror.distribute import _homes
 from keras_mirror.steps import _batchnorm
 from keras_mirror.steps import _metric_weights
 from keras_mirror.steps import _random
@@ -24,7 +23,7 @@ def replica_scope(mirrored, own_step=False):
     - Keras does not divide losses by the replica count
       (`_compat.unscaled_losses`): each replica computes its shard's own
       loss and keras-mirror weights it;
-    - in Keras's built-in step, the optimizers do not all-reduce the
+    - in Keras's built-in step, `model.optimizer` does not all-reduce the
       gradients (`_compat.disable_optimizer_allreduce`): the step has,
       once (a model's own step enters `own_step.optimizer_hooks`);
     - `keras.random` draws give one device's numbers (`_random`);
@@ -46,10 +45,11 @@ def replica_scope(mirrored, own_step=False):
     version = graph.version
     with contextlib.ExitStack() as stack:
         stack.enter_context(_compat.unscaled_losses())
-        if not own_step:  # the steps all-reduce gradients, exactly once
-            for optimizer in _homes.optimizers_of(mirrored._inner):
-                stack.enter_context(
-                    _compat.disable_optimizer_allreduce(optimizer))
+        if not own_step:
+            # Keras's step applies `model.optimizer`, whose gradients the
+            # step all-reduces itself, exactly once.
+            stack.enter_context(_compat.disable_optimizer_allreduce(
+                getattr(mirrored._inner, "optimizer", None)))
         stack.enter_context(_random.exact_draws(
             mirrored._step_state.first_time))
         produced = stack.enter_context(_metric_weights.replica_weights(
@@ -86,7 +86,8 @@ def stateful_draws(graph, version=None):
 def warn_stateful_draws(mirrored, graph, version):
     """Warns once per wrapper when a replica step just traced into `graph`
     draws with stateful TF random ops (more than one replica)."""
-    if mirrored.num_replicas < 2 or not isinstance(graph, tf.Graph) or \
+    n = mirrored._strategy.num_replicas_in_sync
+    if n < 2 or not isinstance(graph, tf.Graph) or \
             mirrored._step_state.stateful_warned or \
             tf.executing_eagerly():
         return
@@ -103,7 +104,7 @@ def warn_stateful_draws(mirrored, graph, version):
     warnings.warn(
         "The step draws with stateful TensorFlow random ops "
         f"({', '.join(found)}; `tf.random.normal` and the like): each of the "
-        f"{mirrored.num_replicas} replicas draws its own numbers, so training "
+        f"{n} replicas draws its own numbers, so training "
         "is not one device's. Draw with `keras.random` and a "
         "`keras.random.SeedGenerator` (exact: one device's numbers, each "
         f"replica's rows). Received: ops {found} in the replica step",

@@ -11,19 +11,15 @@ optimizer's `merge_call` on the `"strategy"` path). Inside it, each replica
 calls one `tf.function(jit_compile=True)` holding that replica's forward
 pass, loss, loss scaling and gradients, on both execution paths.
 
-Where it cannot run, the step runs uncompiled and says so once
-(`warn_once`): a masked output (its shares need every replica's count of
-unmasked entries, an all-reduce), synchronized BatchNormalization (an
-all-reduce inside the forward pass), and a model's own `train_step` (its
-optimizer's `apply` all-reduces inside the user's step).
+Where it cannot run, the step runs uncompiled and says so once (decided
+in `_one_trace.decide`): a masked output (its shares need every replica's count
+of unmasked entries, an all-reduce), BatchNormalization with global
+statistics (an all-reduce inside the forward pass), and a model's own
+`train_step` (its optimizer's `apply` all-reduces inside the user's step).
 """
-
-import warnings
 
 import keras
 import tensorflow as tf
-
-from keras_mirror.steps import _batchnorm
 
 MASKED = ("the model's output carries a Keras mask, whose loss shares need "
           "every replica's count of unmasked entries (an all-reduce)")
@@ -39,44 +35,6 @@ OTHER_STATE = ("the loss or the forward pass updates variables that are not "
                "the model's (a multi-output model's per-output loss "
                "trackers, a layer's own state kept outside the model), "
                "whose updates a function of the model's values would drop")
-
-
-def enabled(mirrored):
-    """True when the wrapped model was compiled with `jit_compile` on.
-
-    Reason-less paths (masked output, synchronized BatchNorm, own step)
-    warn once and return False.
-    """
-    inner = mirrored._inner
-    if not getattr(inner, "compiled", False) or getattr(
-            inner, "run_eagerly", False) or not inner.jit_compile:
-        return False
-    off = mirrored._step_state.xla_off
-    if off is not None:
-        warn_once(mirrored, off)
-        return False
-    if mirrored._custom_step:
-        warn_once(mirrored, OWN_STEP)
-        return False
-    if _batchnorm.kinds(mirrored).forward_collectives:
-        warn_once(mirrored, _batchnorm.FORWARD_COLLECTIVES)
-        return False
-    return True
-
-
-def turn_off(mirrored, reason):
-    """Runs this wrapper's steps uncompiled from now on, saying why once."""
-    mirrored._step_state.xla_off = reason
-    warn_once(mirrored, reason)
-
-
-def warn_once(mirrored, reason):
-    if not mirrored._step_state.first_time("xla", reason):
-        return
-    warnings.warn(
-        "The wrapped model was compiled with `jit_compile=True`, but "
-        f"keras-mirror runs its replica step without XLA because {reason}. "
-        "Received: jit_compile=True", UserWarning, stacklevel=4)
 
 
 def replica_function(model, body, jit_compile, note):

@@ -8,9 +8,9 @@ device kind; neither imports this module.
 """
 
 from keras_mirror.distribute import _worker_input
+from keras_mirror.steps import _one_trace
 from keras_mirror.steps import _probing
 from keras_mirror.steps import _replica_stats
-from keras_mirror.steps import _xla
 from keras_mirror.steps import own_step
 from keras_mirror.steps import strategy
 
@@ -40,7 +40,7 @@ class StepDispatch(strategy.ReplicaSteps):
     def train_step(self, data):
         data = _worker_input.assemble(self, data)
         if self._custom_step:
-            _xla.enabled(self)  # warns once: the user's step runs as is
+            _one_trace.decide(self)  # says once why XLA does not run
             return own_step.train_step(self, data)
         return super().train_step(data)
 

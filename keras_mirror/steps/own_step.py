@@ -214,7 +214,7 @@ def _run(mirrored, data, method):
         shards = mirrored._distribute(tensors, sizes)
     offsets = split.offsets_tensor(sizes)
     step = getattr(mirrored._inner, method)
-    n = mirrored.num_replicas
+    n = mirrored._strategy.num_replicas_in_sync
     sources = {}
 
     def one_replica(shard, r):

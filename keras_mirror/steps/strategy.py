@@ -41,8 +41,9 @@ class ReplicaSteps:
     # -- splitting ---------------------------------------------------------
 
     def _plan_sizes(self, batch_size):
-        return split.sizes_tensor(batch_size, self.num_replicas,
-                                  self._step_state.capacity)
+        return split.sizes_tensor(
+            batch_size, self._strategy.num_replicas_in_sync,
+            self._step_state.capacity)
 
     def _distribute(self, data, sizes, multiple=1):
         """Slices each leaf of `data` into the replicas' shards.
@@ -104,7 +105,8 @@ class ReplicaSteps:
         if multiple > 1:
             run_rows = tf.gather(_stand_in.bounds(sizes, multiple)[1], r)
         return activate(ReplicaContext(
-            r, self.num_replicas, tf.gather(sizes, r), global_rows,
+            r, self._strategy.num_replicas_in_sync, tf.gather(sizes, r),
+            global_rows,
             distributed=True, options=self._comm_options,
             gradient_dtype=self._gradient_dtype,
             offset=tf.gather(split.offsets_tensor(sizes), r),
@@ -196,7 +198,7 @@ class ReplicaSteps:
         shares need an all-reduce) is noted while tracing (`_one_trace.note`)
         and the step's work then traced per replica.
         """
-        compiled = _xla.enabled(self)
+        compiled = _one_trace.decide(self).xla
 
         def body(trial, x, y, sw, sizes, r, scale):
             with self._context(global_rows, sizes, r, traced_once=trial,
@@ -314,8 +316,9 @@ class ReplicaSteps:
             sizes = self._plan_sizes(rows)
             # An XLA-compiled replica work runs XLA's convolutions, not
             # oneDNN's kernels (and cannot cut a padded shard): no padding.
-            multiple = 1 if _xla.enabled(self) else _stand_in.row_multiple(
-                self._inner, self.devices, self._step_state.reductions)
+            multiple = 1 if _one_trace.decide(self).xla else (
+                _stand_in.row_multiple(self._inner, self._devices,
+                                       self._step_state.reductions))
             shards = self._distribute(packed, sizes, multiple)
         y_pred, loss, stats = self._run_train(shards, present, rows, start,
                                               sizes, multiple, packed)
