@@ -107,6 +107,8 @@ def applied_globally(original, strategy):
         if ctx is None or getattr(_APPLYING, "now", False):
             return original(grads, trainable_variables)
         grads = list(grads)
+        if trainable_variables is not None:  # maybe an iterator
+            trainable_variables = list(trainable_variables)
         weighted = [None if g is None else ctx.weight(g) for g in grads]
         reduced = allreduce.all_reduce_sum(weighted, ctx._options,
                                            ctx._gradient_dtype)
