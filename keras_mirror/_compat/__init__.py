@@ -76,7 +76,6 @@ from keras_mirror._compat.keras_backend import set_mask as set_mask
 from keras_mirror._compat.keras_training import (
     _ALLREDUCE_HOOK as _ALLREDUCE_HOOK,
 )
-from keras_mirror._compat.keras_training import _CLIP_HOOK as _CLIP_HOOK
 from keras_mirror._compat.keras_training import _COMPILE_LOSS as _COMPILE_LOSS
 from keras_mirror._compat.keras_training import _FLAT_LOSSES as _FLAT_LOSSES
 from keras_mirror._compat.keras_training import (
@@ -119,6 +118,9 @@ from keras_mirror._compat.keras_training import layers_within as layers_within
 from keras_mirror._compat.keras_training import loss_owners as loss_owners
 from keras_mirror._compat.keras_training import loss_tracker as loss_tracker
 from keras_mirror._compat.keras_training import (
+    optimizer_trainables as optimizer_trainables,
+)
+from keras_mirror._compat.keras_training import (
     output_loss_trackers as output_loss_trackers,
 )
 from keras_mirror._compat.keras_training import (
@@ -126,9 +128,6 @@ from keras_mirror._compat.keras_training import (
 )
 from keras_mirror._compat.keras_training import (
     replace_optimizer_allreduce as replace_optimizer_allreduce,
-)
-from keras_mirror._compat.keras_training import (
-    replace_optimizer_clip as replace_optimizer_clip,
 )
 from keras_mirror._compat.keras_training import (
     reporting_flat_losses as reporting_flat_losses,

@@ -128,21 +128,6 @@ def replace_optimizer_allreduce(optimizer, make_hook, reason):
         yield
 
 
-# An optimizer clips (`clipnorm`, `global_clipnorm`, `clipvalue`) in
-# `_clip_gradients`, before its all-reduce hook. In a model's own `train_step`
-# keras-mirror all-reduces there instead, so that clipping sees the global
-# gradient, as on one device.
-_CLIP_HOOK = "_clip_gradients"
-
-
-def replace_optimizer_clip(optimizer, make_hook, reason):
-    """Within the block, `optimizer._clip_gradients` is
-    `make_hook(original)`."""
-    return replaced_method(optimizer, _CLIP_HOOK, make_hook,
-                           "all-reduce gradients before clipping", reason,
-                           owner="keras.optimizers.Optimizer")
-
-
 # The TF backend's optimizer applies each variable's update through
 # `tf.distribute`, which under a `MirroredStrategy` enters a `merge_call` and
 # runs the update once per device (a model with V variables on N replicas
@@ -360,6 +345,14 @@ def loss_owners(model):
 # the backings it was keyed by are released (`_homes`), like `_value`.
 _OPT_INDICES = "_trainable_variables_indices"
 _OPT_VARIABLES = "_trainable_variables"
+
+
+def optimizer_trainables(optimizer):
+    """The variables `optimizer` was built on (`_trainable_variables`), the
+    ones its `apply` updates when given none (EMA's too); [] unbuilt."""
+    _require(optimizer, (_OPT_VARIABLES,), type(optimizer).__name__,
+             "apply an own step's gradients on each replica's copies")
+    return list(getattr(optimizer, _OPT_VARIABLES))
 
 
 def rekey_optimizer(optimizer):

@@ -24,7 +24,9 @@ counter (`"only_first_replica"`) gets the same value on every replica.
 
 It serves Keras's built-in step whether or not the replica's forward pass is
 traced once (`_one_trace`), not a model's own `train_step` (whose
-optimizer's `apply` runs inside the user's step).
+optimizer's `apply` runs inside the user's step, traced per replica). That
+`apply` writes the replica's copies the same way (`on_copies`, from
+`own_step`), with no `merge_call` inside it.
 
 Where it cannot serve, the step applies the gradients as stock Keras does
 and says why once (logger `keras_mirror`, INFO; it is only a start-up
@@ -36,6 +38,7 @@ learning-rate schedule with its own variable). A trace that fails is a
 failure, not a fallback: it raises.
 """
 
+import contextlib
 import logging
 
 import tensorflow as tf
@@ -84,39 +87,21 @@ class Update:
         self._signature = None
 
     def _update(self, copies, grads, finite=None):
-        backings = [_compat.backing(v) for v in self._everything]
-        try:
-            for v, copy in zip(self._everything, copies):
-                _compat.set_backing(v, copy)
-            with _compat.updates_in_place(self.optimizer):
-                if finite is None:
-                    self.optimizer.apply(grads, self.variables)
-                else:
-                    tf.cond(finite,
-                            lambda: self._applied(grads),
-                            lambda: tf.constant(False))
-        finally:
-            for v, backing in zip(self._everything, backings):
-                _compat.set_backing(v, backing)
+        with on_copies(self.optimizer, self._everything, copies):
+            if finite is None:
+                self.optimizer.apply(grads, self.variables)
+            else:
+                tf.cond(finite,
+                        lambda: self._applied(grads),
+                        lambda: tf.constant(False))
 
     def _applied(self, grads):
         """The `cond` branch that applies `grads` (True: applied)."""
         self.optimizer.apply(grads, self.variables)
         return tf.constant(True)
 
-    def _copies(self):
-        """The current replica's copy of each variable."""
-        ctx = tf.distribute.get_replica_context()
-        replica = int(tf.get_static_value(ctx.replica_id_in_sync_group))
-        out = []
-        for v in self._everything:
-            copies = self._strategy.experimental_local_results(
-                _compat.backing(v))
-            out.append(copies[replica % len(copies)])
-        return out
-
     def __call__(self, grads, finite=None):
-        copies = self._copies()
+        copies = replica_copies(self._strategy, self._everything)
         self._concrete(copies, list(grads), finite)
 
     def prepare(self, grads, finite=None):
@@ -124,7 +109,7 @@ class Update:
         cannot serve every replica, or None (then call it)."""
         if self._concrete is not None:
             return None
-        copies = self._copies()
+        copies = replica_copies(self._strategy, self._everything)
         specs = (copies, [_spec(g, v) for g, v in zip(grads, copies)],
                  None if finite is None else tf.TensorSpec([], tf.bool))
         concrete = self.function.get_concrete_function(*specs)
@@ -143,6 +128,37 @@ class Update:
         if self._concrete is None:
             return True
         return self._signature == (_kinds(grads), finite is None)
+
+
+def replica_copies(strategy, variables):
+    """The current replica's copy of each of `variables` (a variable not
+    copied per replica is its own copy)."""
+    ctx = tf.distribute.get_replica_context()
+    replica = int(tf.get_static_value(ctx.replica_id_in_sync_group))
+    out = []
+    for v in variables:
+        copies = strategy.experimental_local_results(_compat.backing(v))
+        out.append(copies[replica % len(copies)])
+    return out
+
+
+@contextlib.contextmanager
+def on_copies(optimizer, variables, copies):
+    """Within the block, each of `variables` is backed by its copy in
+    `copies` and `optimizer` updates each variable once, in place, without
+    `tf.distribute` (`_compat.updates_in_place`): its `apply` writes these
+    copies, and no `merge_call` is made (none may be inside a `cond`
+    branch, where gradient accumulation and `LossScaleOptimizer` update).
+    """
+    backings = [_compat.backing(v) for v in variables]
+    try:
+        for v, copy in zip(variables, copies):
+            _compat.set_backing(v, copy)
+        with _compat.updates_in_place(optimizer):
+            yield
+    finally:
+        for v, backing in zip(variables, backings):
+            _compat.set_backing(v, backing)
 
 
 def _spec(grad, variable):

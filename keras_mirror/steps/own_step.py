@@ -12,11 +12,16 @@ A model that overrides `train_step` (keras.io DCGAN / WGAN-GP style: its own
   computes exactly what one device would on those rows; `keras.random`
   draws are one device's rows (`_random`); metric updates are weighted as
   one device's (`_metric_weights`).
-- When the step applies gradients, each optimizer multiplies every gradient
-  by the replica's share `b_r / B` (0 on an empty shard, never NaN) and sums
-  over replicas, before its clipping and weight decay (see
-  `_compile.adopt`). For a loss that is a mean over the batch, the sum is
-  the gradient one device computes on the whole global batch.
+- When the step applies gradients (`optimizer.apply` or
+  `apply_gradients`), each gradient is multiplied by the replica's share
+  `b_r / B` (0 on an empty shard, never NaN) and summed over replicas,
+  once, before the optimizer's own `apply` runs (`applied_globally`). For a
+  loss that is a mean over the batch, the sum is the gradient one device
+  computes on the whole global batch, and the optimizer treats it as one
+  device would, whatever the step did between the loss and `apply`: a
+  `LossScaleOptimizer`'s `scale_loss` and unscaling, `loss_scale_factor`,
+  clipping, weight decay, gradient accumulation (of the global gradient),
+  EMA, several optimizers.
 - The scalars the step returns come back as per-replica vectors
   `replica_<key>` and globally: a key naming one of the model's metrics
   reports the metric (its state is the global batch's), any other scalar
@@ -30,11 +35,11 @@ gradients just updated).
 A non-scalar target of `tape.gradient` with a row per example (a per-pixel
 loss) is differentiated as the batch sum it is (`_tape`). What differs from
 one device: a scalar loss the user's own step computes as a batch *sum* by
-hand (weighted as a mean); gradient accumulation and `LossScaleOptimizer`
-clip per replica, before the all-reduce.
+hand (weighted as a mean).
 """
 
 import contextlib
+import threading
 
 import keras
 import tensorflow as tf
@@ -49,6 +54,7 @@ from keras_mirror.replica_context import activate
 from keras_mirror.replica_context import active
 from keras_mirror.steps import _metric_weights
 from keras_mirror.steps import _mixing
+from keras_mirror.steps import _one_update
 from keras_mirror.steps import _scope
 from keras_mirror.steps import _stand_in
 from keras_mirror.steps import _tape
@@ -81,43 +87,55 @@ def setup(model):
     return True
 
 
-def weighted_allreduce(original):
-    """The replacement for an optimizer's `_all_reduce_sum_gradients`."""
+def applied_globally(original, strategy):
+    """The replacement for an own step's optimizer's `apply`.
 
-    def all_reduce(grads_and_vars):
-        ctx = active()
-        if ctx is None:  # Not in a keras-mirror replica step.
-            return original(grads_and_vars)
-        pairs = list(grads_and_vars)
-        grads = [None if g is None else ctx.weight(g) for g, _ in pairs]
-        reduced = allreduce.all_reduce_sum(grads, ctx._options,
-                                           ctx._gradient_dtype)
-        return [(g, v) for g, (_, v) in zip(reduced, pairs)]
-
-    return all_reduce
-
-
-def reduce_before_clipping(original):
-    """The replacement for an optimizer's `_clip_gradients`.
-
-    In a replica step: the share-weighted all-reduce, then the optimizer's
-    own clipping of the global gradient (the optimizer's all-reduce hook is
-    then the identity).
+    In a replica step: each gradient weighted by the replica's share and
+    all-reduced, once, here at the door; then the optimizer's own `apply`
+    on that global gradient, writing the replica's copies of the variables
+    in place (`_one_update.on_copies`). Everything the optimizer does after
+    that (a `LossScaleOptimizer`'s finiteness check and unscaling,
+    clipping, weight decay, gradient accumulation, EMA) sees the global
+    gradient, as on one device, whatever the user's step did to the
+    gradients before (`scale_loss`, their own clipping). An `apply` within
+    it (a `LossScaleOptimizer`'s inner optimizer's) is the optimizer's own.
+    Outside a replica step, the optimizer's own.
     """
 
-    def clip(grads):
+    def apply(grads, trainable_variables=None):
         ctx = active()
-        if ctx is None:
-            return original(grads)
+        if ctx is None or getattr(_APPLYING, "now", False):
+            return original(grads, trainable_variables)
+        grads = list(grads)
+        if trainable_variables is not None:  # maybe an iterator
+            trainable_variables = list(trainable_variables)
         weighted = [None if g is None else ctx.weight(g) for g in grads]
-        return original(allreduce.all_reduce_sum(
-            weighted, ctx._options, ctx._gradient_dtype))
+        reduced = allreduce.all_reduce_sum(weighted, ctx._options,
+                                           ctx._gradient_dtype)
+        optimizer = original.__self__
+        variables = _homes.unique(
+            list(trainable_variables or [])
+            + _compat.optimizer_trainables(optimizer)
+            + list(optimizer.variables))
+        copies = _one_update.replica_copies(strategy, variables)
+        _APPLYING.now = True
+        try:
+            with _one_update.on_copies(optimizer, variables, copies):
+                return original(reduced, trainable_variables)
+        finally:
+            _APPLYING.now = False
 
-    return clip
+    return apply
+
+
+# Per replica thread: within `applied_globally`'s call of the optimizer's
+# own `apply` (the gradients are global already).
+_APPLYING = threading.local()
 
 
 def reduced_already(original):
-    """The all-reduce hook once `reduce_before_clipping` has reduced."""
+    """The optimizer's all-reduce hook in a replica step: the identity
+    (`applied_globally` has reduced, once)."""
 
     def all_reduce(grads_and_vars):
         if active() is None:
@@ -127,41 +145,40 @@ def reduced_already(original):
     return all_reduce
 
 
-_WEIGHTED = ("an own step's gradients are weighted by the replica's share "
-             "and all-reduced once")
-_BEFORE_CLIPPING = ("the all-reduce before clipping, so that clipping sees "
-                    "the global gradient")
+_GLOBAL = ("an own step's gradients are weighted by the replica's share and "
+           "all-reduced once, when applied, so that the optimizer (loss "
+           "scaling, clipping, accumulation) sees the global gradient")
 
 
 @contextlib.contextmanager
-def optimizer_hooks(optimizer):
+def optimizer_hooks(optimizer, strategy):
     """Within the block, the replica all-reduce of a model's own-step
-    optimizer (entered around the replicas' step, `_run`).
-
-    Before clipping where Keras lets it be (a plain optimizer); in the
-    all-reduce hook, after a per-replica clipping, for a
-    `LossScaleOptimizer` or with gradient accumulation. Outside a replica
-    step the hooks call the optimizer's own.
+    optimizer (entered around the replicas' step, `_run`): at its `apply`
+    (and a `LossScaleOptimizer`'s inner one's), with the optimizer's own
+    all-reduce off. Outside a replica step the hooks call the optimizer's
+    own.
     """
-    if isinstance(optimizer, keras.optimizers.LossScaleOptimizer) or \
-            getattr(optimizer, "gradient_accumulation_steps", None):
-        with _compat.replace_optimizer_allreduce(
-                optimizer, weighted_allreduce, _WEIGHTED):
-            yield
-        return
-    with _compat.replace_optimizer_clip(
-            optimizer, reduce_before_clipping, _BEFORE_CLIPPING), \
-            _compat.replace_optimizer_allreduce(
-                optimizer, reduced_already, _BEFORE_CLIPPING):
+    with contextlib.ExitStack() as stack:
+        for opt in (optimizer, getattr(optimizer, "inner_optimizer", None)):
+            if opt is None:
+                continue
+            stack.enter_context(_compat.replaced_method(
+                opt, "apply", lambda original: applied_globally(
+                    original, strategy),
+                "apply an own step's gradients", _GLOBAL,
+                owner="keras.optimizers.Optimizer"))
+        stack.enter_context(_compat.replace_optimizer_allreduce(
+            optimizer, reduced_already, _GLOBAL))
         yield
 
 
 @contextlib.contextmanager
-def _hooks(model):
-    """`optimizer_hooks` of each of `model`'s optimizers."""
+def _hooks(mirrored):
+    """`optimizer_hooks` of each of the wrapped model's optimizers."""
     with contextlib.ExitStack() as stack:
-        for optimizer in _homes.optimizers_of(model):
-            stack.enter_context(optimizer_hooks(optimizer))
+        for optimizer in _homes.optimizers_of(mirrored._inner):
+            stack.enter_context(
+                optimizer_hooks(optimizer, mirrored._strategy))
         yield
 
 
@@ -247,7 +264,7 @@ def _run(mirrored, data, method):
     # replacement act only in a thread with an active replica context.
     with mirrored._strategy.scope(), \
             _scope.replica_scope(mirrored, own_step=True) as produced, \
-            _hooks(mirrored._inner), _tape.per_row_targets():
+            _hooks(mirrored), _tape.per_row_targets():
         out = mirrored._strategy.run(replica_step, args=(shards,))
     if method == "train_step":
         _mixing.check(mirrored, shards)  # warns once of a whole-batch loss

@@ -166,21 +166,22 @@ def test_layers_within_reach_an_rnn_cell():
     assert not any(layer is cell for layer in model.layers)
 
 
-def test_clip_hook_exists_and_is_used():
-    opt = keras.optimizers.SGD(1.0, clipnorm=1.0)
-    var = keras.Variable(np.zeros(2, "float32"))
-    seen = []
-
-    def make_hook(original):
-        def clip(grads):
-            seen.append(len(grads))
-            return original(grads)
-        return clip
-
-    with _compat.replace_optimizer_clip(opt, make_hook, "a test"):
-        opt.apply([tf.constant([3.0, 4.0])], [var])
-    assert seen == [1]
-    np.testing.assert_allclose(var.numpy(), [-0.6, -0.8], rtol=1e-6)
+def test_optimizer_trainables_are_what_it_was_built_on():
+    """An optimizer's `apply` without variables (and EMA) updates the
+    variables it was built on, in `_trainable_variables`; a
+    `LossScaleOptimizer` holds them too."""
+    a = keras.Variable(np.zeros(2, "float32"))
+    b = keras.Variable(np.zeros(3, "float32"))
+    opt = keras.optimizers.SGD(1.0)
+    assert _compat.optimizer_trainables(opt) == []
+    opt.build([a, b])
+    assert _compat.optimizer_trainables(opt) == [a, b]
+    opt.apply([tf.ones(2), tf.ones(3)])
+    np.testing.assert_allclose(b.numpy(), -np.ones(3))
+    scaled = keras.optimizers.LossScaleOptimizer(keras.optimizers.SGD(1.0))
+    scaled.build([a])
+    assert _compat.optimizer_trainables(scaled) == [a]
+    assert _compat.optimizer_trainables(scaled.inner_optimizer) == [a]
 
 
 def test_initial_epoch_is_where_fit_starts():
