@@ -95,11 +95,21 @@ class ReplicaContext:
                 self.offset = tf.where(
                     tf.cast(shard_size, tf.int32) > 0,
                     tf.cast(offset, tf.int32), 0)
-            self.share = tf.math.divide_no_nan(
-                tf.cast(shard_size, tf.float32),
-                tf.cast(global_batch_size, tf.float32))
+            # In float64, rounded once to the dtype it weighs (`share_in`).
+            self._share64 = tf.math.divide_no_nan(
+                tf.cast(shard_size, tf.float64),
+                tf.cast(global_batch_size, tf.float64))
+            self.share = tf.cast(self._share64, tf.float32)
         else:
             self.share = 1.0
+
+    def share_in(self, dtype):
+        """`share` in `dtype`: float64 models weigh by a float64 share."""
+        import tensorflow as tf
+
+        if not self.distributed:
+            return tf.ones((), dtype)
+        return tf.cast(self._share64, dtype)
 
     def weight(self, value):
         """`value * share`, and exactly 0 on an empty shard (never NaN)."""
@@ -111,7 +121,7 @@ class ReplicaContext:
             return tf.IndexedSlices(self.weight(value.values), value.indices,
                                     value.dense_shape)
         value = tf.convert_to_tensor(value)
-        share = tf.cast(self.share, value.dtype)
+        share = self.share_in(value.dtype)
         return tf.where(share > 0, value * share, tf.zeros_like(value))
 
     def all_reduce_sum(self, value):
@@ -263,7 +273,7 @@ def _gather(context, value):
     if not value.dtype.is_floating:
         return gather(value[:rows])
     offset = tf.cast(context.offset, tf.int32)
-    share = tf.cast(context.share, value.dtype)
+    share = context.share_in(value.dtype)
 
     @tf.custom_gradient
     def differentiable(t):
@@ -318,7 +328,7 @@ def summed(value):
     if context is None or not context._shares_after_gradient or \
             not value.dtype.is_floating:
         return reduce(value)
-    share = tf.cast(context.share, value.dtype)
+    share = context.share_in(value.dtype)
 
     @tf.custom_gradient
     def differentiable(t):

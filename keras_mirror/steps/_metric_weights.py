@@ -22,6 +22,7 @@ import tensorflow as tf
 from keras_mirror import _compat
 from keras_mirror.replica_context import active
 from keras_mirror.steps import _stand_in
+from keras_mirror.steps import arithmetic
 
 
 def _scalar(value):
@@ -35,9 +36,11 @@ def _weighted(original, batch_sum=False):
         if (ctx is not None and ctx.distributed and sample_weight is None
                 and len(args) == 1 and not kwargs and _scalar(
                     tf.convert_to_tensor(args[0]))):
-            sample_weight = tf.cast(ctx.share, tf.float32)
+            value = tf.convert_to_tensor(args[0])
+            dtype = arithmetic.loss_dtype(value)
+            sample_weight = ctx.share_in(dtype)
             # An empty shard adds nothing (its mean may be NaN).
-            value = tf.cast(args[0], tf.float32)
+            value = tf.cast(value, dtype)
             if batch_sum:  # the shards' sums add up to the batch's
                 value = tf.math.divide_no_nan(value, sample_weight)
             args = (tf.where(sample_weight > 0, value,

@@ -94,7 +94,8 @@ class Reductions:
         `parts`: the `_Shard` that `compute_loss` returned with it.
         """
         out = []
-        extras = [tf.cast(tf.reduce_sum(e), tf.float32) for e in extras]
+        dtype = arithmetic.loss_dtype(shard_loss)
+        extras = [tf.cast(tf.reduce_sum(e), dtype) for e in extras]
         if len(extras) != len(self.extras):
             warnings.warn(
                 f"The model's `add_loss` terms in training ({len(extras)}) "
@@ -109,7 +110,7 @@ class Reductions:
                 if kind == SUM]
         if self.outputs is None:
             if self.compiled == SUM:
-                out.append((tf.cast(shard_loss, tf.float32) - (
+                out.append((tf.cast(shard_loss, dtype) - (
                     tf.add_n(extras) if extras else 0.0), SUM, False, None))
             return out
         if parts is None:
@@ -178,33 +179,36 @@ def weighted(reductions, model, shard_loss, extras, count, total, first,
     """
     terms = (reductions.terms(shard_loss, extras, parts)
              if reductions is not None else [])
-    share = tf.math.divide_no_nan(tf.cast(count, tf.float32),
-                                  tf.cast(total, tf.float32))
+    dtype = arithmetic.loss_dtype(shard_loss)
+    shard_loss = tf.cast(shard_loss, dtype)
+    share = arithmetic.ratio(count, total, dtype)
     global_sums = _global_weight_sums(
         [t[3] for t in terms if t[1] == WEIGHTED])
-    own, weighted_own = tf.zeros((), tf.float32), tf.zeros((), tf.float32)
+    own, weighted_own = tf.zeros((), dtype), tf.zeros((), dtype)
     ctx = active()
-    row_share = share if ctx is None else tf.cast(ctx.share, tf.float32)
+    row_share = share if ctx is None else ctx.share_in(dtype)
     for value, kind, broadcast, weight_sum in terms:
+        value = tf.cast(value, dtype)
         if kind == WEIGHTED:
-            weight = tf.math.divide_no_nan(weight_sum, global_sums.pop(0))
+            weight = arithmetic.ratio(weight_sum, global_sums.pop(0), dtype)
         else:
-            weight = share if kind == MEAN else tf.ones((), tf.float32)
+            weight = share if kind == MEAN else tf.ones((), dtype)
         if broadcast:
             weight = tf.math.divide_no_nan(weight, row_share)
         own += value
         weighted_own += weight * value
     if rows is not None:
-        own = tf.where(rows > 0, own, 0.0)
-        weighted_own = tf.where(rows > 0, weighted_own, 0.0)
+        own = tf.where(rows > 0, own, tf.zeros_like(own))
+        weighted_own = tf.where(rows > 0, weighted_own,
+                                tf.zeros_like(weighted_own))
     out = arithmetic.contribution(
-        shard_loss - own, arithmetic.weight_regularization(model),
+        shard_loss - own, arithmetic.weight_regularization(model, dtype),
         count, total, first) + weighted_own
     if parts is not None and parts.elements_per_row is not None:
         global_rows = total if ctx is None else ctx.global_batch_size
         out = arithmetic.valued_as_mean(
-            out, tf.cast(global_rows, tf.float32) * tf.cast(
-                parts.elements_per_row, tf.float32))
+            out, tf.cast(global_rows, dtype) * tf.cast(
+                parts.elements_per_row, dtype))
     return out
 
 
@@ -276,14 +280,15 @@ def compute_loss(model, x, y, y_pred, sample_weight, training,
         report=_reads_outputs(reductions, model))
     if loss is None:
         return None, None
-    loss = tf.cast(loss, tf.float32)
+    loss = tf.convert_to_tensor(loss)
+    loss = tf.cast(loss, arithmetic.loss_dtype(loss))
     unreduced = loss.shape.rank != 0
     entries = _compat.flat_losses(model) or []
     terms = []
     for i, v in values:
         if i >= len(entries):
             continue
-        v = tf.cast(v, tf.float32) * loss_weight(entries[i])
+        v = tf.cast(v, loss.dtype) * loss_weight(entries[i])
         broadcast = unreduced and v.shape.rank == 0
         if unreduced:
             v = tf.broadcast_to(v, tf.shape(loss))
@@ -302,8 +307,10 @@ def _weight_sum(entry, y_pred, sample_weight):
     if sample_weight is None or not weighted_mean(entry.loss):
         return None
     sw = _at(entry.path, sample_weight)
-    return arithmetic.weight_sum(sw, _compat.get_mask(_at(entry.path,
-                                                          y_pred)))
+    # In float64: the shares of the global sum are then exact to float64
+    # precision, and rounded once to the loss's dtype (`arithmetic.ratio`).
+    return arithmetic.weight_sum(
+        sw, _compat.get_mask(_at(entry.path, y_pred)), tf.float64)
 
 
 def _at(path, structure):

@@ -46,8 +46,9 @@ def _factor(target, ctx):
         return None
     rows = tf.cast(ctx.shard_size, tf.int32)
     per_row = tf.equal(tf.shape(target)[0], rows)
-    scale = tf.math.divide_no_nan(1.0, tf.cast(ctx.share, tf.float32))
-    return tf.cast(tf.where(per_row, scale, 1.0), target.dtype)
+    scale = tf.math.divide_no_nan(tf.ones((), target.dtype),
+                                  ctx.share_in(target.dtype))
+    return tf.where(per_row, scale, tf.ones((), target.dtype))
 
 
 def _scaled(target, output_gradients, ctx):

@@ -33,7 +33,26 @@ def batch_rows(x):
     return tf.shape(_first_leaf(x))[0]
 
 
-def weight_regularization(model):
+def loss_dtype(loss):
+    """The dtype the step weighs `loss` in: its own (float64 for a float64
+    model), float32 for a half-precision one (as Keras's losses are)."""
+    dtype = tf.as_dtype(loss.dtype)
+    return dtype if dtype in (tf.float32, tf.float64) else tf.float32
+
+
+def ratio(numerator, denominator, dtype):
+    """`numerator / denominator` (0 where the denominator is 0) in `dtype`.
+
+    Computed in float64 and rounded once: a share `b_r / B` is then the
+    correctly rounded value in float32 and exact to float64 precision in a
+    float64 model (no float32 step on the way).
+    """
+    return tf.cast(tf.math.divide_no_nan(
+        tf.cast(numerator, tf.float64), tf.cast(denominator, tf.float64)),
+        dtype)
+
+
+def weight_regularization(model, dtype=tf.float32):
     """Sum of the variables' regularisers, as Keras adds them to `losses`."""
     terms = [
         v.regularizer(v)
@@ -41,8 +60,8 @@ def weight_regularization(model):
         if v.regularizer is not None
     ]
     if not terms:
-        return tf.zeros((), tf.float32)
-    return tf.add_n([tf.cast(t, tf.float32) for t in terms])
+        return tf.zeros((), dtype)
+    return tf.add_n([tf.cast(t, dtype) for t in terms])
 
 
 def _count_nonfinite(tensors):
@@ -160,9 +179,10 @@ def contribution(shard_loss, reg, rows, global_rows, is_first):
 
     `is_first` is a Python bool or a boolean tensor.
     """
-    share = tf.math.divide_no_nan(tf.cast(rows, tf.float32),
-                                  tf.cast(global_rows, tf.float32))
-    first = tf.cast(is_first, tf.float32)
+    dtype = loss_dtype(shard_loss)
+    shard_loss, reg = tf.cast(shard_loss, dtype), tf.cast(reg, dtype)
+    share = ratio(rows, global_rows, dtype)
+    first = tf.cast(is_first, dtype)
     # An empty shard's own loss may be NaN (a mean over no rows in a
     # `compute_loss` override); its share is 0 either way.
     weighted = tf.where(share > 0, (shard_loss - reg) * share,
@@ -170,7 +190,7 @@ def contribution(shard_loss, reg, rows, global_rows, is_first):
     return weighted + reg * first
 
 
-def weight_sum(sample_weight, mask=None):
+def weight_sum(sample_weight, mask=None, dtype=tf.float32):
     """The divisor of a `"mean_with_sample_weight"` loss on a shard.
 
     Keras divides that loss's weighted sum by the sum of its sample
@@ -179,9 +199,9 @@ def weight_sum(sample_weight, mask=None):
     squeeze does not change the sum). The shards' divisors add up to the
     global batch's.
     """
-    w = tf.cast(sample_weight, tf.float32)
+    w = tf.cast(sample_weight, dtype)
     if mask is not None:
-        m = tf.cast(mask, tf.float32)
+        m = tf.cast(mask, dtype)
         if m.shape.rank == w.shape.rank + 1 and m.shape[-1] == 1:
             m = tf.squeeze(m, -1)
         elif w.shape.rank == m.shape.rank + 1 and w.shape[-1] == 1:
@@ -199,7 +219,7 @@ def valued_as_mean(total, elements):
     one device's); their values, all-reduced, are logged, and are divided
     by the global batch's element count here, without changing a gradient.
     """
-    elements = tf.cast(elements, tf.float32)
+    elements = tf.cast(elements, total.dtype)
 
     @tf.custom_gradient
     def mean_valued(t):

@@ -206,7 +206,8 @@ class ReplicaSteps:
                 y_pred, _, _, contribution, shard = self._replica_work(
                     x, y, sw, global_rows, multiple=multiple,
                     traced_once=True)
-            return (y_pred, contribution, shard), contribution * scale
+            return (y_pred, contribution, shard), contribution * tf.cast(
+                scale, contribution.dtype)
 
         return _one_trace.replica_work(self, body, shards=(0, 1, 2))
 
