@@ -47,6 +47,21 @@ def _classifier(keras, jit, hidden):
     return model, compile_kwargs, (x, y), 256
 
 
+def _mobilenet(keras):
+    """keras.applications MobileNet (alpha 0.25, 32x32, `weights=None`):
+    27 plain BatchNormalization layers, Adam, batch 32."""
+    import numpy as np
+
+    model = keras.applications.MobileNet(
+        alpha=0.25, weights=None, input_shape=(32, 32, 3), classes=10)
+    compile_kwargs = dict(optimizer="adam",
+                          loss="sparse_categorical_crossentropy")
+    rng = np.random.default_rng(0)
+    x = rng.standard_normal((128, 32, 32, 3)).astype("float32")
+    y = rng.integers(0, 10, 128).astype("int32")
+    return model, compile_kwargs, (x, y), 32
+
+
 # "mlp": 64-256-256-10; "deep_mlp": 16 hidden layers of 64, 34 variables
 # (the optimizer's update a larger part of the first step).
 _HIDDEN = {"mlp": (256, 256), "deep_mlp": (64,) * 16}
@@ -65,6 +80,8 @@ def _trial(replicas, name="wgan_gp", jit=False, execution="auto"):
     if name in _HIDDEN:
         model, compile_kwargs, (x, y), batch = _classifier(
             keras, jit, _HIDDEN[name])
+    elif name == "mobilenet":
+        model, compile_kwargs, (x, y), batch = _mobilenet(keras)
     else:
         model, compile_kwargs, (x, _) = guide_models.wgan_gp()
         y, batch = None, 14
@@ -100,7 +117,7 @@ def main(argv=None):
     parser.add_argument("--trials", type=int, default=3)
     parser.add_argument("--replicas", type=int, nargs="+", default=[1, 2, 4])
     parser.add_argument("--model", default="wgan_gp",
-                        choices=["wgan_gp", "mlp", "deep_mlp"])
+                        choices=["wgan_gp", "mlp", "deep_mlp", "mobilenet"])
     parser.add_argument("--jit", action="store_true",
                         help="compile the model with jit_compile=True")
     parser.add_argument("--execution", default="auto",

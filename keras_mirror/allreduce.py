@@ -101,6 +101,15 @@ def check_gradient_dtype(gradient_dtype):
     return gradient_dtype
 
 
+def _cut(value):
+    """`value` cut from the graph behind it, for a sum no gradient goes
+    through: TF's `ReplicaContext.all_reduce` wraps its collective in a
+    `tf.custom_gradient`, whose graph-mode bookkeeping walks back from the
+    sum through every replica's graph behind it (the whole step's, for a
+    gradient), at each call."""
+    return tf.stop_gradient(value) if isinstance(value, tf.Tensor) else value
+
+
 def all_reduce_sum(grads, options=None, gradient_dtype=None):
     """Sums `grads` (a list, entries may be None) over all replicas.
 
@@ -139,8 +148,11 @@ def all_reduce_sum(grads, options=None, gradient_dtype=None):
     barrier = [] if _OVERLAP else values
     for bucket in reverse_buckets(sizes, pack_bytes):
         with tf.control_dependencies(barrier):
+            # Gradients are not differentiated again: the collective's
+            # input is cut (`_cut`), so that TF's gradient bookkeeping
+            # around `all_reduce` walks no graph behind it.
             sums = ctx.all_reduce(tf.distribute.ReduceOp.SUM,
-                                  [values[i] for i in bucket],
+                                  [_cut(values[i]) for i in bucket],
                                   options=one_pack)
         for i, r in zip(bucket, sums):
             reduced[i] = r

@@ -314,7 +314,22 @@ def summed(value):
     every term carries its own share; a gradient with respect to tensors
     only (`differentiating`) is one device's. `all_reduce_sum` and the
     global BatchNorm moments use it: exact for uneven and empty shards.
+
+    The collective's input is cut from the graph behind it
+    (`tf.stop_gradient`) and the gradient is this function's own. TF's
+    `ReplicaContext.all_reduce` wraps its collective in a
+    `tf.custom_gradient`, whose graph-mode bookkeeping walks back from the
+    sum through every replica's graph behind it, at each call: with global
+    BatchNorm (an all-reduce per layer) that walk made most of a
+    convnet's first step. Cut at the inputs, each walk ends there.
     """
+    context = active()
+    return _summed(value, context is not None and
+                   context._shares_after_gradient)
+
+
+def _summed(value, weighted):
+    """`summed`, its gradient weighted by the shares where `weighted`."""
     import tensorflow as tf
 
     context = active()
@@ -322,25 +337,29 @@ def summed(value):
     options = None if context is None else context._options
 
     def reduce(t):
-        return ctx.all_reduce(tf.distribute.ReduceOp.SUM, t, options=options)
+        return ctx.all_reduce(tf.distribute.ReduceOp.SUM,
+                              tf.stop_gradient(t), options=options)
 
     value = tf.convert_to_tensor(value)
-    if context is None or not context._shares_after_gradient or \
-            not value.dtype.is_floating:
+    if not value.dtype.is_floating:
         return reduce(value)
-    share = context.share_in(value.dtype)
+    share = context.share_in(value.dtype) if weighted else None
 
     @tf.custom_gradient
     def differentiable(t):
         def grad(upstream):
+            upstream = tf.convert_to_tensor(upstream)
+            if not weighted:
+                # The gradient of a sum over replicas is one (TF's rule),
+                # differentiable again (a gradient penalty's).
+                return _summed(upstream, False)
             if getattr(_LOCAL, "tensor_gradient", False):
                 # Not share-weighted later (a gradient penalty's): summed,
                 # a stand-in replica's left out, and exact again.
-                upstream = tf.convert_to_tensor(upstream)
                 rows = tf.cast(context.shard_size, tf.int32)
                 return summed(tf.where(rows > 0, upstream,
                                        tf.zeros_like(upstream)))
-            total = reduce(context.weight(tf.convert_to_tensor(upstream)))
+            total = _summed(context.weight(upstream), False)
             return tf.math.divide_no_nan(total, share)
 
         return reduce(t), grad

@@ -154,7 +154,8 @@ class ReplicaSteps:
             count, total = rows, global_rows
         else:
             count = tf.where(rows > 0, arithmetic.unmasked_entries(mask), 0.0)
-            total = ctx.all_reduce(tf.distribute.ReduceOp.SUM, count)
+            total = ctx.all_reduce(tf.distribute.ReduceOp.SUM,
+                                   allreduce._cut(count))
         return self._contribution(shard, parts, count, total, first,
                                   rows), shard
 
@@ -259,10 +260,12 @@ class ReplicaSteps:
         ctx = tf.distribute.get_replica_context()
         finite = None
         if self.on_nonfinite != "warn":
-            finite = tf.equal(ctx.all_reduce(tf.distribute.ReduceOp.SUM,
-                                             stats["replica_nonfinite"]), 0)
+            finite = tf.equal(ctx.all_reduce(
+                tf.distribute.ReduceOp.SUM,
+                allreduce._cut(stats["replica_nonfinite"])), 0)
         self._apply(reduced, variables, finite)
-        loss = ctx.all_reduce(tf.distribute.ReduceOp.SUM, contribution)
+        loss = ctx.all_reduce(tf.distribute.ReduceOp.SUM,
+                              allreduce._cut(contribution))
         packed = arithmetic.pack_stats([stats], keys) if keys else None
         y_pred, mask = _stand_in.real_rows((y_pred, mask), rows)
         return self._with_mask(y_pred, mask), loss, packed
@@ -372,7 +375,8 @@ class ReplicaSteps:
             y_pred, _, mask, contribution, _ = self._replica_work(
                 x, y, sw, global_rows, training=False)
         ctx = tf.distribute.get_replica_context()
-        loss = ctx.all_reduce(tf.distribute.ReduceOp.SUM, contribution)
+        loss = ctx.all_reduce(tf.distribute.ReduceOp.SUM,
+                              allreduce._cut(contribution))
         y_pred, mask = _stand_in.real_rows((y_pred, mask), rows)
         return self._with_mask(y_pred, mask), loss
 

@@ -248,3 +248,39 @@ def test_gradient_penalty_through_batch_norm_is_one_devices(cpus, rows,
     single, mirrored = step(False), step(True)
     for a, b in zip(single, mirrored):
         np.testing.assert_allclose(b, a, rtol=1e-4, atol=1e-5)
+
+
+def test_no_sum_over_replicas_walks_the_model_behind_it(cpus, monkeypatch):
+    """TF's `tf.custom_gradient` bookkeeping around each
+    `ReplicaContext.all_reduce` walks back from the sum
+    (`op_selector.get_backward_walk_ops`). keras-mirror hands every
+    collective a cut input, so no walk reaches the model's computation:
+    global BatchNorm's sums (one per moment per layer), the gradients' and
+    the loss's. Before the cut each BatchNorm sum walked every replica's
+    forward pass behind it (the longest walk here: 3,251 ops), which made
+    most of a convnet's first step."""
+    from tensorflow.python.ops import op_selector
+
+    walked = []
+    original = op_selector.get_backward_walk_ops
+
+    def recording(*args, **kwargs):
+        ops = original(*args, **kwargs)
+        walked.append({op.type for op in ops})
+        return ops
+
+    monkeypatch.setattr(op_selector, "get_backward_walk_ops", recording)
+    keras.utils.set_random_seed(0)
+    inputs = keras.Input((6,))
+    h = inputs
+    for _ in range(8):
+        h = layers.BatchNormalization()(layers.Dense(8, activation="relu")(h))
+    model = keras.Model(inputs, layers.Dense(1)(h))
+    model.compile(optimizer="sgd", loss="mse")
+    mirrored = keras_mirror.MirroredModel(model, devices=cpus)
+    x = np.random.default_rng(0).normal(size=(16, 6)).astype("float32")
+    mirrored.fit(x, x[:, :1], batch_size=16, epochs=1, verbose=0)
+    assert len(walked) > 8 * 2 * 4, len(walked)  # the moments' sums
+    reached = [types & {"MatMul", "Relu", "FusedBatchNormV3", "Rsqrt"}
+               for types in walked]
+    assert not any(reached), [r for r in reached if r][:3]
