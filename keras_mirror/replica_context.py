@@ -80,6 +80,10 @@ class ReplicaContext:
         # A model's own step: each replica's gradients are weighted by its
         # share when applied (`own_step`), not its loss before.
         self._shares_after_gradient = shares_after_gradient
+        # Within an own step's optimizer's own `apply`, called with the
+        # global gradient (`own_step.applied_globally`): a nested `apply`
+        # (a `LossScaleOptimizer`'s inner one) is the optimizer's own.
+        self._applying = False
         self.offset = offset
         self.num_replicas = num_replicas
         self.shard_size = shard_size

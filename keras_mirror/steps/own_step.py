@@ -39,7 +39,6 @@ hand (weighted as a mean).
 """
 
 import contextlib
-import threading
 
 import keras
 import tensorflow as tf
@@ -104,7 +103,7 @@ def applied_globally(original, strategy):
 
     def apply(grads, trainable_variables=None):
         ctx = active()
-        if ctx is None or getattr(_APPLYING, "now", False):
+        if ctx is None or ctx._applying:
             return original(grads, trainable_variables)
         grads = list(grads)
         if trainable_variables is not None:  # maybe an iterator
@@ -118,19 +117,14 @@ def applied_globally(original, strategy):
             + _compat.optimizer_trainables(optimizer)
             + list(optimizer.variables))
         copies = _one_update.replica_copies(strategy, variables)
-        _APPLYING.now = True
+        ctx._applying = True
         try:
             with _one_update.on_copies(optimizer, variables, copies):
                 return original(reduced, trainable_variables)
         finally:
-            _APPLYING.now = False
+            ctx._applying = False
 
     return apply
-
-
-# Per replica thread: within `applied_globally`'s call of the optimizer's
-# own `apply` (the gradients are global already).
-_APPLYING = threading.local()
 
 
 def reduced_already(original):
